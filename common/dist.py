@@ -1,9 +1,24 @@
-"""torchrun helpers. Every function is a no-op (or the trivial answer) in a plain single process."""
+"""torchrun helpers. Every function is a no-op (or the trivial answer) in a plain single process.
 
+How the scripts use them, so that one optimizer step means the same thing on 1, 2 or 8 ranks:
+- `shard(tasks)`: each rank rolls out whole groups (all K rollouts of a task live on one rank, so group
+  advantages need no communication);
+- `all_reduce(n_tokens)`: the loss divisor is the global count, not the rank's;
+- `all_reduce(n_microbatches, "max")`: every rank runs the same number of backward passes (ranks with
+  fewer pad with zero-weight ones), because DDP's gradient all-reduce is a collective per backward;
+- `wrap(model, strategy)`: DDP (or FSDP2) averages gradients over ranks, so losses are multiplied by
+  `world_size()` to turn that average back into the global sum.
+"""
+
+import datetime
+import functools
 import os
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def is_distributed() -> bool:
@@ -26,21 +41,44 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init() -> str:
+def init(timeout_s: float = 1800) -> str:
     """Join the torchrun process group (nccl on CUDA, gloo on CPU) and return this rank's device.
 
-    Without torchrun's environment (WORLD_SIZE unset or 1) nothing is initialised."""
+    Without torchrun's environment (WORLD_SIZE unset or 1) nothing is initialised. `timeout_s` bounds how
+    long a collective waits for a rank that will never come (a rollout slower than that is a bug)."""
     device = f"cuda:{local_rank()}" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
         torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not is_distributed():
-        dist.init_process_group("nccl" if device != "cpu" else "gloo")
+        dist.init_process_group("nccl" if device != "cpu" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
 def rank_seed(seed: int) -> int:
-    """Per-rank seed: ranks sample different rollouts, and the run is reproducible from `seed`."""
+    """Per-rank seed: ranks sample different rollouts, and the run is reproducible from `seed`.
+    Model initialisation must use the plain `seed` (identical weights on every rank)."""
     return seed + 1000 * rank()
+
+
+def shard(items: list) -> list:
+    """This rank's share, round-robin: rank r of W gets items[r::W]. Pass whole groups (task ids, not
+    rollouts). Ranks may get one item more or fewer; counts are balanced later by `all_reduce`."""
+    return list(items)[rank()::world_size()]
+
+
+def all_reduce(value, op: str = "sum"):
+    """Sum / max / min of a number or tensor over ranks; returns the same type (a new tensor)."""
+    if not is_distributed():
+        return value
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if isinstance(value, torch.Tensor):
+        out = value.detach().clone()
+        dist.all_reduce(out, op=ops[op])
+        return out
+    out = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(out, op=ops[op])
+    return type(value)(out.item()) if isinstance(value, (int, float)) else out.item()
 
 
 def all_gather_object(obj) -> list:
@@ -52,6 +90,49 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s obj on every rank (e.g. the main rank's eval result or a resume step)."""
+    if not is_distributed():
+        return obj
+    box = [obj if rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def wrap(model: nn.Module, strategy: str = "ddp") -> nn.Module:
+    """Wrap the policy for data-parallel training: "none" | "ddp" | "fsdp2".
+
+    DDP keeps a full replica per rank and all-reduces gradients (right for LoRA and small models); FSDP2
+    (`fully_shard` per decoder layer, then the root) shards parameters, gradients and optimizer states
+    (right for full fine-tuning of billion-parameter models). Both average gradients over ranks.
+    A single process is returned unwrapped."""
+    if not is_distributed() or strategy == "none":
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        on_gpu = next(model.parameters()).is_cuda
+        return DistributedDataParallel(model, device_ids=[local_rank()] if on_gpu else None)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        on_gpu = next(model.parameters()).is_cuda
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu \
+            else MixedPrecisionPolicy()
+        for module in model.modules():  # one shard group per decoder layer: gathered just in time
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    raise ValueError(f"unknown parallel strategy {strategy!r}; choose none, ddp or fsdp2")
+
+
+def grad_scale() -> int:
+    """Factor that turns DDP/FSDP2's gradient average over ranks into the sum of per-rank losses that
+    were each divided by the global count."""
+    return world_size()
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
@@ -60,3 +141,25 @@ def barrier() -> None:
 def cleanup() -> None:
     if is_distributed():
         dist.destroy_process_group()
+
+
+def entrypoint(main):
+    """Decorate a script's main(): an exception on any rank prints `[rank r] ...` with its traceback and
+    ends that process at once (os._exit), so torchrun stops the other ranks instead of leaving them
+    blocked in a collective until the timeout. In a single process exceptions propagate unchanged."""
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+            return main(*args, **kwargs)
+        try:
+            return main(*args, **kwargs)
+        except BaseException as e:  # SystemExit too: a clean error message on one rank stops all
+            code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+            if code == 0:
+                raise
+            print(f"[rank {rank()}] {type(e).__name__}: {e}", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(code)
+    return run

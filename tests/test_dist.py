@@ -1,9 +1,15 @@
+import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch.multiprocessing as mp
 
 from common import dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_single_process_is_trivial(monkeypatch):
@@ -40,3 +46,36 @@ def test_two_ranks_over_gloo():
     expected = [{"rank": 0, "seed": 5}, {"rank": 1, "seed": 1005}]
     assert results[0] == (True, 2, expected)
     assert results[1] == (False, 2, expected)
+
+
+def _torchrun(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(ROOT, "tests", "dist_scripts", script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_torchrun_step_equals_single_process(tmp_path, strategy):
+    out = tmp_path / "result.json"
+    proc = _torchrun("collectives.py", str(out), strategy)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["shards"] == [[0, 2, 4], [1, 3]]  # whole items, round-robin
+    assert (result["n_global"], result["max_rows"]) == (5, 3)
+    assert result["tensor_sum"] == [2.0, 1.0]  # [1 + 1, 0 + 1]
+    assert result["from_main"] == {"r": 0}
+    assert result["ranks_agree"]
+    # loss / global count on each rank, gradients averaged then scaled by W == one process, whole batch
+    for got, want in zip(result["params"], result["single_process"], strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_one_failing_rank_stops_all_with_its_message():
+    start = time.monotonic()
+    proc = _torchrun("fail_one_rank.py")  # rank 0 waits in a barrier with a 600 s timeout
+    assert proc.returncode != 0
+    assert "[rank 1] ValueError: rank one broke on purpose" in proc.stderr
+    assert time.monotonic() - start < 60
