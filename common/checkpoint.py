@@ -3,7 +3,10 @@
 <out>/checkpoints/step_<N>/ holds weights/ (LoRA adapter or full model, as save_weights writes them),
 optimizer.pt, state.pt (step, RNG states, extra) and args.json. It is written into a temp folder and then
 renamed: a rename is atomic, so a run killed mid-write leaves only a `.tmp-*` folder, which is ignored and
-later removed, and the last complete checkpoint is never touched. Call from the main rank only.
+later removed, and the last complete checkpoint is never touched.
+
+Under torchrun call both functions on every rank: rank 0 writes (weights are replicated under DDP) and
+the others wait for it; every rank reads the same files, so a checkpoint written by N ranks resumes on M.
 """
 
 import dataclasses
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from common import dist
 from common.models import load_weights, save_weights
 
 
@@ -57,12 +61,25 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, optimizer: torch.
                     extra: dict | None = None, keep: int = 2) -> str:
     """Write <out>/checkpoints/step_<step>/ atomically, keep the newest `keep`; returns its path."""
     folder = os.path.join(out_dir, "checkpoints")
+    final = os.path.join(folder, f"step_{step}")
+    if not dist.is_main():
+        dist.barrier()  # wait until rank 0 has written it
+        return final
+    try:
+        _write_checkpoint(out_dir, final, step, model, optimizer, args, extra, keep)
+    finally:
+        dist.barrier()
+    return final
+
+
+def _write_checkpoint(out_dir: str, final: str, step: int, model: nn.Module,
+                      optimizer: torch.optim.Optimizer, args, extra: dict | None, keep: int) -> None:
+    folder = os.path.dirname(final)
     os.makedirs(folder, exist_ok=True)
     for name in os.listdir(folder):  # leftovers of runs killed mid-write
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     tmp = tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=folder)
-    final = os.path.join(folder, f"step_{step}")
     try:
         save_weights(model, os.path.join(tmp, "weights"))
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
@@ -80,7 +97,6 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, optimizer: torch.
     for name in os.listdir(folder):
         if name.startswith(".tmp-old-"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    return final
 
 
 def load_checkpoint(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:

@@ -99,13 +99,23 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def wrap(model: nn.Module, strategy: str = "ddp") -> nn.Module:
-    """Wrap the policy for data-parallel training: "none" | "ddp" | "fsdp2".
+def choose_strategy(model: nn.Module, strategy: str = "auto") -> str:
+    """"auto": FSDP2 for full fine-tuning of models over a billion parameters (a replica of weights,
+    gradients and AdamW states is 16 bytes/param: 64 GB for 4B), DDP otherwise (LoRA trains few)."""
+    if strategy != "auto":
+        return strategy
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return "fsdp2" if trainable > 1e9 else "ddp"
+
+
+def wrap(model: nn.Module, strategy: str = "auto") -> nn.Module:
+    """Wrap the policy for data-parallel training: "auto" | "none" | "ddp" | "fsdp2".
 
     DDP keeps a full replica per rank and all-reduces gradients (right for LoRA and small models); FSDP2
     (`fully_shard` per decoder layer, then the root) shards parameters, gradients and optimizer states
     (right for full fine-tuning of billion-parameter models). Both average gradients over ranks.
     A single process is returned unwrapped."""
+    strategy = choose_strategy(model, strategy)
     if not is_distributed() or strategy == "none":
         return model
     if strategy == "ddp":
