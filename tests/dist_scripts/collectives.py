@@ -1,4 +1,4 @@
-"""Run under `torchrun --nproc 2`: collectives, sharding, and one DDP / FSDP2 step on a tiny model.
+"""Run under `torchrun --nproc-per-node 2`: collectives, sharding, and one DDP / FSDP2 step on a tiny model.
 
 Each rank trains on its shard of a fixed batch with the loss divided by the global count; the result must
 equal one process training on the whole batch. Rank 0 writes what it saw to argv[1] as JSON."""

@@ -1,4 +1,4 @@
-"""Run under `torchrun --nproc 2`: rank 1 raises while rank 0 waits in a barrier. With
+"""Run under `torchrun --nproc-per-node 2`: rank 1 raises while rank 0 waits in a barrier. With
 `dist.entrypoint` the job must end quickly with rank 1's message, not hang until the timeout."""
 
 from common import dist
