@@ -1,0 +1,234 @@
+"""Per-rank GPU memory plan for a run, from the model's shape alone (no weights loaded): the scripts'
+`--dry-run`. Every number is printed with its arithmetic so it can be checked by hand.
+
+What one rank holds (W ranks, P parameters of which T are trained):
+- training: weights P·b (FSDP2: /W), gradients T·b_t, AdamW's two moments 2·T·b_t (torch keeps them in
+  the parameter's dtype), DDP's gradient buckets (another T·b_t), FSDP2's all-gathered layers,
+  activations under gradient checkpointing (every layer's input + one layer recomputed in full) and the
+  chunked vocabulary projection;
+- rollout (vLLM colocated on the same GPU): `gpu_memory_utilization` of the card for its own bf16
+  weights and the KV cache, 2·layers·kv_heads·head_dim·2 bytes per token; it sleeps while training runs.
+These are estimates of the big tensors, not a profile: the CUDA context, allocator fragmentation and
+vLLM's own activation peak come on top (keep ~10% of the card free).
+"""
+
+import json
+import os
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FSDP2_THRESHOLD = 1e9  # trainable parameters; the same rule as common.dist.choose_strategy("auto")
+
+# Shapes from each model's published config.json on the Hugging Face hub
+# (https://huggingface.co/<name>/blob/main/config.json); tiny-random is common.models.build_tiny_random.
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128)
+_QWEN25 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False)
+KNOWN_SHAPES: dict[str, dict] = {
+    "Qwen/Qwen3-0.6B": dict(_QWEN3, num_hidden_layers=28, hidden_size=1024, intermediate_size=3072,
+                            num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-1.7B": dict(_QWEN3, num_hidden_layers=28, hidden_size=2048, intermediate_size=6144,
+                            num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-4B": dict(_QWEN3, num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
+                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": dict(_QWEN3, num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-7B-Instruct": dict(_QWEN25, num_hidden_layers=28, hidden_size=3584,
+                                     intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4),
+    "Qwen/Qwen2.5-32B-Instruct": dict(_QWEN25, num_hidden_layers=64, hidden_size=5120,
+                                      intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(
+        model_type="llama", vocab_size=49152, num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True),
+    "tiny-random": dict(model_type="llama", vocab_size=49152, num_hidden_layers=2, hidden_size=64,
+                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        tie_word_embeddings=True),
+}
+ALIASES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct":
+           "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
+           "Qwen/Qwen2.5-32B": "Qwen/Qwen2.5-32B-Instruct"}
+
+
+def model_shape(name: str) -> dict:
+    """config.json fields of `name`: the table above, a local folder, or the local HF cache (no download)."""
+    name = ALIASES.get(name, name)
+    if name in KNOWN_SHAPES:
+        return dict(KNOWN_SHAPES[name])
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+            path = cached if isinstance(cached, str) else None
+        except Exception:
+            path = None
+    if path is None or not os.path.isfile(path):
+        raise ValueError(f"no shape known for model {name!r}: use one of {sorted(KNOWN_SHAPES)} or a local "
+                         "folder with config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config.setdefault("tie_word_embeddings", False)
+    return config
+
+
+def param_counts(shape: dict, lora_rank: int = 0) -> dict:
+    """Parameter counts of a llama/qwen decoder: per layer, whole model, LoRA (all linear layers of the
+    decoder, lm_head excluded, as common.models.load_policy sets it up)."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    L, V = shape["num_hidden_layers"], shape["vocab_size"]
+    hd = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd  # projection widths
+    attn = h * q + 2 * h * kv + q * h  # q, k, v, o
+    if shape.get("model_type") == "qwen2" or shape.get("attention_bias"):
+        attn += q + 2 * kv  # q/k/v biases
+    norms = 2 * h + (2 * hd if shape.get("model_type") == "qwen3" else 0)  # + Qwen3's q_norm, k_norm
+    layer = attn + 3 * h * i + norms  # gate, up, down
+    embed = V * h
+    lm_head = 0 if shape.get("tie_word_embeddings") else V * h
+    total = embed + L * layer + h + lm_head  # + final norm
+    # LoRA r on a (d_in -> d_out) linear adds r·(d_in + d_out)
+    lora = lora_rank * L * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + i)) if lora_rank > 0 else 0
+    return {"layer": layer, "embed": embed, "lm_head": lm_head, "total": total, "lora": lora,
+            "head_dim": hd, "q_width": q, "kv_width": kv}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: int, micro_batch: int,
+                backend: str, *, strategy: str = "auto", dtype: str = "bfloat16", gpu_gib: float = 80.0,
+                gpu_memory_utilization: float = 0.5, chunk_size: int = 512) -> dict:
+    """Bytes per rank for each item (see the module docstring) and `lines`, the arithmetic as text.
+
+    dtype: what the model is loaded in (the scripts' --dtype). backend "auto" counts as vLLM (what auto
+    picks on a GPU). chunk_size: tokens per vocabulary-projection chunk (common.logprobs)."""
+    if world_size < 1 or micro_batch < 1 or max_seq_len < 1:
+        raise ValueError("world_size, micro_batch and max_seq_len must be >= 1")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use {sorted(DTYPE_BYTES)}")
+    shape = model_shape(model_name)
+    n = param_counts(shape, lora_rank)
+    L, h, i = shape["num_hidden_layers"], shape["hidden_size"], shape["intermediate_size"]
+    V = shape["vocab_size"]
+    kv_heads, hd = shape["num_key_value_heads"], n["head_dim"]
+    P = n["total"]
+    T = n["lora"] if lora_rank > 0 else P
+    if strategy == "auto":
+        strategy = "fsdp2" if T > FSDP2_THRESHOLD else "ddp"
+    if world_size == 1:
+        strategy = "none"
+    b = DTYPE_BYTES[dtype]
+    bt = 4 if lora_rank > 0 else b  # peft creates LoRA weights in fp32 (autocast_adapter_dtype)
+    a = 2 if (b == 2 or strategy == "fsdp2") else 4  # activation bytes: FSDP2 computes in bf16 on GPU
+    shard = world_size if strategy == "fsdp2" else 1
+    lines = [f"model {model_name}: {L} layers, hidden {h}, intermediate {i}, heads "
+             f"{shape['num_attention_heads']} (kv {kv_heads}) x {hd}, vocab {V}, "
+             f"{'tied' if not n['lm_head'] else 'untied'} embeddings",
+             f"parameters P = {V}*{h} embed + {L}*{n['layer']:,} per layer + {h} norm"
+             + (f" + {n['lm_head']:,} lm_head" if n["lm_head"] else "") + f" = {P:,} ({P / 1e9:.2f} B)"]
+    if lora_rank > 0:
+        lines.append(f"trainable T = LoRA r={lora_rank} on 7 linears x {L} layers = {T:,} ({T / 1e6:.1f} M)")
+    else:
+        lines.append("trainable T = P (full fine-tune)")
+    lines.append(f"strategy {strategy} on {world_size} rank(s); weights {dtype} ({b} B), trained weights "
+                 f"{bt} B, activations {a} B" + (f"; FSDP2 shards by {shard}" if shard > 1 else ""))
+
+    weights = P * b / shard + (T * bt if lora_rank > 0 else 0)
+    grads = T * bt / shard
+    adam = 2 * T * bt / shard
+    buckets = T * bt if strategy == "ddp" else 0  # DDP's default gradient buckets are a second copy
+    gathered = 0
+    if strategy == "fsdp2":  # one layer in use + one prefetched, and the root (embedding, lm_head) in bf16
+        gathered = (2 * n["layer"] + n["embed"] + n["lm_head"]) * 2
+    checkpoints = L * micro_batch * max_seq_len * h * a  # each layer's input, kept for the backward
+    # one layer recomputed in full during backward: 2 norm inputs + 2 norm outputs (4h), q and the attention
+    # output (2q), k and v (2kv), gate, up, silu(gate), gate*up (4i) per token
+    layer_elems = 4 * h + 2 * n["q_width"] + 2 * n["kv_width"] + 4 * i
+    one_layer = micro_batch * max_seq_len * layer_elems * a
+    logits = 3 * chunk_size * V * 4  # fp32 logits, log-softmax, their gradient, for one chunk
+    train = weights + grads + adam + buckets + gathered + checkpoints + one_layer + logits
+    fmt = f"/{shard}" if shard > 1 else ""
+    lines += [
+        f"weights     {P:,}*{b}{fmt}" + (f" + LoRA {T:,}*{bt}" if lora_rank > 0 else "")
+        + f" = {_gib(weights)}",
+        f"gradients   {T:,}*{bt}{fmt} = {_gib(grads)}",
+        f"AdamW m, v  2*{T:,}*{bt}{fmt} = {_gib(adam)}",
+    ]
+    if buckets:
+        lines.append(f"DDP buckets {T:,}*{bt} = {_gib(buckets)}")
+    if gathered:
+        lines.append(f"FSDP2 gathered (2 layers + embed/lm_head, bf16) (2*{n['layer']:,} + {n['embed']:,} + "
+                     f"{n['lm_head']:,})*2 = {_gib(gathered)}")
+    lines += [
+        f"activations (grad. checkpointing) {L} layers*{micro_batch} seqs*{max_seq_len} tok*{h}*{a} = "
+        f"{_gib(checkpoints)}",
+        f"  + one layer recomputed {micro_batch}*{max_seq_len}*{layer_elems:,} (4h+2q+2kv+4i)*{a} = "
+        f"{_gib(one_layer)}",
+        f"logits chunk 3*{chunk_size} tok*{V}*4 = {_gib(logits)}",
+        f"TRAINING PEAK per rank = {_gib(train)}",
+    ]
+
+    vllm = backend in ("vllm", "auto")
+    kv_token = 2 * L * kv_heads * hd * 2  # K and V, every layer, bf16
+    out = {"model": model_name, "strategy": strategy, "world_size": world_size, "params": P, "trainable": T,
+           "weights": weights, "grads": grads, "adam": adam, "ddp_buckets": buckets,
+           "fsdp_gathered": gathered, "activations": checkpoints + one_layer, "logits": logits,
+           "train_peak": train, "kv_bytes_per_token": kv_token}
+    lines.append(f"KV cache per token 2*{L} layers*{kv_heads} kv heads*{hd}*2 B = {kv_token:,} B "
+                 f"({kv_token * max_seq_len / GiB:.2f} GiB per {max_seq_len}-token sequence)")
+    resident = weights + adam  # what stays on the GPU while vLLM rolls out (gradients set to None)
+    if vllm:
+        share = gpu_memory_utilization * gpu_gib * GiB
+        engine_weights = P * 2
+        kv_cache = max(0.0, share - engine_weights)
+        rollout = resident + share
+        lines += [
+            f"vLLM share {gpu_memory_utilization}*{gpu_gib:g} GiB = {_gib(share)}: its bf16 weights "
+            f"{P:,}*2 = {_gib(engine_weights)}, KV cache {_gib(kv_cache)} = "
+            f"{int(kv_cache // kv_token):,} tokens = {kv_cache / kv_token / max_seq_len:.1f} sequences of "
+            f"{max_seq_len}",
+            f"ROLLOUT PEAK per rank = weights + AdamW (resident) + vLLM share = {_gib(rollout)}",
+            "(training runs with vLLM asleep: its weights go to host memory, its KV cache is freed)",
+        ]
+        out.update(vllm_share=share, kv_cache=kv_cache, kv_tokens=int(kv_cache // kv_token),
+                   rollout_peak=rollout)
+    else:
+        rollout = resident + micro_batch * max_seq_len * 2 * L * kv_heads * hd * a
+        lines.append(f"ROLLOUT PEAK per rank (HF, {micro_batch} rows of {max_seq_len}) = weights + AdamW "
+                     f"+ KV = {_gib(rollout)}")
+        out.update(rollout_peak=rollout)
+    peak = max(train, rollout)
+    fits = peak <= 0.9 * gpu_gib * GiB
+    advice = "use more ranks (FSDP2), --lora-rank, a smaller micro-batch or shorter sequences"
+    lines.append(f"PEAK {_gib(peak)} of {gpu_gib:g} GiB: "
+                 + ("fits (with 10% kept free)" if fits else f"does NOT fit: {advice}"))
+    out.update(peak=peak, fits=fits, lines=lines)
+    return out
+
+
+def print_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: int, micro_batch: int,
+               backend: str, **kwargs) -> None:
+    """Print `memory_plan`'s arithmetic (the scripts' --dry-run)."""
+    print("\n".join(memory_plan(model_name, world_size, lora_rank, max_seq_len, micro_batch, backend,
+                                **kwargs)["lines"]))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="per-rank memory plan (no weights loaded)")
+    p.add_argument("--model", default="Qwen/Qwen3-4B")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--backend", default="vllm")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpu-gib", type=float, default=80.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    a = p.parse_args()
+    print_plan(a.model, a.world_size, a.lora_rank, a.max_seq_len, a.micro_batch, a.backend, dtype=a.dtype,
+               gpu_gib=a.gpu_gib, gpu_memory_utilization=a.gpu_memory_utilization)

@@ -1,0 +1,93 @@
+import json
+
+import pytest
+import torch
+
+from common.plan import KNOWN_SHAPES, memory_plan, model_shape, param_counts, print_plan
+
+GiB = 2**30
+P_QWEN3_4B = 151936 * 2560 + 36 * 100_930_816 + 2560  # = 4,022,468,096, see the first test
+
+
+def test_qwen3_4b_parameter_count_by_hand():
+    # per layer: q 2560x4096, k and v 2560x1024, o 4096x2560, gate/up/down 2560x9728, 2 norms + q/k norms
+    layer = 2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128
+    assert layer == 100_930_816
+    n = param_counts(model_shape("Qwen/Qwen3-4B"))
+    assert n["layer"] == layer
+    assert n["total"] == P_QWEN3_4B == 4_022_468_096  # tied: no separate lm_head (published: "4.0B")
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_SHAPES))
+def test_counts_match_transformers_built_on_the_meta_device(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = model_shape(name)
+    config = AutoConfig.for_model(**shape)
+    with torch.device("meta"):  # shapes only, no memory
+        model = AutoModelForCausalLM.from_config(config)
+    assert param_counts(shape)["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_lora_count_matches_peft_on_the_tiny_model():
+    from common.models import TINY_MODEL, load_policy
+
+    # r=2 on q (64->64), k, v (64->32), o (64->64), gate, up (64->128), down (128->64), 2 layers
+    by_hand = 2 * 2 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    assert by_hand == 4096
+    model, _ = load_policy(TINY_MODEL, lora_rank=2)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == by_hand
+    assert param_counts(model_shape(TINY_MODEL), lora_rank=2)["lora"] == by_hand
+
+
+def test_full_fine_tune_of_qwen3_4b_on_8_ranks_by_hand():
+    plan = memory_plan("Qwen/Qwen3-4B", 8, 0, 8192, 1, "vllm", dtype="bfloat16", gpu_gib=80,
+                       gpu_memory_utilization=0.5)
+    P = P_QWEN3_4B
+    assert plan["strategy"] == "fsdp2"  # 4.0 B trainable > 1 B
+    assert plan["weights"] == P * 2 / 8 and plan["grads"] == P * 2 / 8 and plan["adam"] == 2 * P * 2 / 8
+    assert plan["ddp_buckets"] == 0
+    assert plan["fsdp_gathered"] == (2 * 100_930_816 + 151936 * 2560) * 2  # 2 layers + tied embedding, bf16
+    # checkpointed layer inputs + one layer's activations (4h + 2q + 2kv + 4i per token), bf16
+    one_layer = 4 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728
+    assert plan["activations"] == 36 * 8192 * 2560 * 2 + 8192 * one_layer * 2
+    assert plan["logits"] == 3 * 512 * 151936 * 4
+    train = (P * 2 / 8 * 4 + (2 * 100_930_816 + 151936 * 2560) * 2 + 36 * 8192 * 2560 * 2
+             + 8192 * 59392 * 2 + 3 * 512 * 151936 * 4)
+    assert plan["train_peak"] == pytest.approx(train)
+    assert plan["kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 2 == 147_456
+    assert plan["kv_cache"] == 40 * GiB - P * 2
+    assert plan["kv_tokens"] == int((40 * GiB - P * 2) // 147_456)
+    assert plan["rollout_peak"] == pytest.approx(P * 2 / 8 + 2 * P * 2 / 8 + 40 * GiB)
+    assert plan["fits"]
+
+
+def test_lora_qwen3_8b_is_ddp_with_a_full_replica():
+    plan = memory_plan("Qwen/Qwen3-8B", 8, 16, 4096, 2, "vllm")
+    layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    P = 151936 * 4096 * 2 + 36 * layer + 4096  # untied: embedding and lm_head
+    T = 16 * 36 * ((4096 + 4096) * 2 + 2 * (4096 + 1024) + 3 * (4096 + 12288))  # LoRA, fp32
+    assert (plan["params"], plan["trainable"]) == (P, T) == (8_190_735_360, 43_646_976)
+    assert plan["strategy"] == "ddp"
+    assert plan["weights"] == P * 2 + T * 4
+    assert plan["grads"] == plan["ddp_buckets"] == T * 4 and plan["adam"] == 2 * T * 4
+    assert plan["fsdp_gathered"] == 0
+
+
+def test_one_rank_does_not_shard_and_32b_full_fine_tune_does_not_fit_one_card(capsys):
+    plan = memory_plan("Qwen/Qwen2.5-32B-Instruct", 1, 0, 2048, 1, "hf", dtype="bfloat16", gpu_gib=80)
+    assert plan["strategy"] == "none"
+    assert plan["weights"] == plan["params"] * 2 and plan["adam"] == plan["params"] * 4
+    assert not plan["fits"]
+    print_plan("Qwen/Qwen2.5-32B-Instruct", 1, 0, 2048, 1, "hf")
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "TRAINING PEAK" in out
+
+
+def test_local_config_folder_and_unknown_name(tmp_path):
+    config = dict(KNOWN_SHAPES["tiny-random"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert param_counts(model_shape(str(tmp_path)))["total"] == 49152 * 64 + 2 * (
+        64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    with pytest.raises(ValueError, match="no shape known for model 'no/such-model'"):
+        memory_plan("no/such-model", 1, 0, 128, 1, "hf")
