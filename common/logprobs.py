@@ -65,6 +65,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 512,
     with_entropy: bool = False,
+    target_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """(B, T) ids -> (B, T-1) log-probs, out[:, t] = log p(ids[:, t+1] | ids[:, :t+1]) under
     softmax(logits / temperature); with_entropy also returns the entropy of that distribution, (B, T-1).
@@ -73,10 +74,15 @@ def token_logprobs(
     Differentiable. Positions where attention_mask[:, t] or attention_mask[:, t+1] is 0 (padding, and the
     first real token of a left-padded row) are 0 and cost nothing.
     `chunk_size` counts tokens of the whole batch, so at most (chunk_size, V) logits exist at once.
+    `target_mask` (B, T-1) bool, optional: compute only the targets it keeps (e.g. an RL agent's action
+    tokens, with the environment's long observations left out); the others are 0 and cost no vocabulary
+    projection. The values it keeps are the same as without it.
     """
     hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1]  # (B, T-1, H)
     # a target counts when it and the token before it are real: the first real token has no context
     valid = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()  # (B, T-1)
+    if target_mask is not None:
+        valid = valid & target_mask.bool()
     hidden, targets = hidden[valid], input_ids[:, 1:][valid]  # (N, H), (N,)
     head = unwrap(model).get_output_embeddings()
     logps, entropies = [], []

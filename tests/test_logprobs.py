@@ -143,3 +143,41 @@ def test_no_vocabulary_sized_tensor_beyond_one_chunk():
         largest.append(probe.numel)
     assert largest[0] == chunk * V  # the chunk's logits (and their log-softmax, grads) are the largest
     assert largest[1] == (T - 1) * V
+
+
+def test_target_mask_computes_only_kept_targets_with_the_same_values_and_gradients():
+    torch.manual_seed(0)
+    model, tok = load_policy(TINY_MODEL, dtype="float64")
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids, mask = padded_batch(tok.pad_token_id)  # (2, 10); row 1 has 5 left-pad tokens
+    keep = torch.zeros(2, 9, dtype=torch.bool)
+    keep[0, [2, 3, 8]] = True  # three targets of row 0
+    keep[1, [0, 7]] = True  # a padding target (stays 0: no context) and one real target
+    full = token_logprobs(model, ids, mask)
+    part = token_logprobs(model, ids, mask, target_mask=keep, chunk_size=2)  # 3 real targets: 2 chunks
+    kept = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
+    assert int(kept.sum()) == 4
+    assert torch.allclose(part[kept], full[kept], atol=1e-10)
+    assert torch.all(part[~kept] == 0)
+    # gradient of a sum over the kept targets is the same either way; a dropped target adds nothing
+    g_part = torch.autograd.grad(part.sum(), params)
+    g_full = torch.autograd.grad((full * kept).sum(), params)
+    for a, b in zip(g_part, g_full, strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_target_mask_skips_the_vocabulary_projection_of_dropped_targets():
+    # lm_head sees only the kept rows: (number kept, H), not (all targets, H)
+    torch.manual_seed(0)
+    model, tok = load_policy(TINY_MODEL)
+    ids, mask = padded_batch(tok.pad_token_id)
+    keep = torch.zeros(2, 9, dtype=torch.bool)
+    keep[0, 4:7] = True
+    rows = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[:-1].numel()))
+    with torch.no_grad():
+        token_logprobs(model, ids, mask, target_mask=keep, chunk_size=512)
+    hook.remove()
+    # the model's own forward (logits of each row's last position: 2), then our 3 kept targets (not 13)
+    assert rows == [2, 3]
