@@ -173,3 +173,53 @@ def entrypoint(main):
             sys.stdout.flush()
             os._exit(code)
     return run
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when the model's parameters are FSDP2 shards (DTensors after `fully_shard`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (an all-gather: every rank must call it), else `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def full_weights(model: nn.Module):
+    """Yield (base-model name, full weight with LoRA merged) one parameter at a time, for pushing the policy
+    into an inference engine.
+
+    Unsharded models: common.models.merged_state_dict. FSDP2: each tensor is all-gathered only when the
+    consumer asks for it, so at most one full parameter (plus a LoRA delta) exists at a time, never the
+    whole model. Every rank must consume the whole iterator in the same order (each step is a collective).
+    """
+    from common.models import _is_peft, merged_state_dict, unwrap
+
+    if not is_sharded(model):
+        yield from merged_state_dict(model).items()
+        return
+    model = unwrap(model)
+    base, lora = model, {}
+    if _is_peft(model):
+        from peft.tuners.lora import LoraLayer
+
+        base = model.get_base_model()
+        lora = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for key, value in base.state_dict().items():  # FSDP2: DTensor shards, nothing gathered yet
+        if "lora_" in key:
+            continue
+        weight = full_tensor(value.detach())
+        module = lora.get(key.removesuffix(".base_layer.weight"))
+        if key.endswith(".base_layer.weight") and module is not None and not (module.merged or
+                                                                            module.disable_adapters):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:  # W + B A * alpha/r (peft's get_delta_weight, nn.Linear case)
+                    b_ = full_tensor(module.lora_B[adapter].weight)  # (out, r)
+                    a_ = full_tensor(module.lora_A[adapter].weight)  # (r, in)
+                    weight = weight + (b_ @ a_ * module.scaling[adapter]).to(weight.dtype)
+        yield key.replace(".base_layer.", "."), weight

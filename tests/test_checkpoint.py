@@ -1,6 +1,9 @@
+import importlib.util
 import json
 import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -8,7 +11,9 @@ import pytest
 import torch
 
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.models import TINY_MODEL, load_policy
+from common.models import TINY_MODEL, load_policy, merged_state_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 IDS = torch.tensor([[1, 504, 3458, 28, 1028, 2]])  # (1, 6)
 
@@ -113,3 +118,75 @@ def test_keeps_last_two_and_survives_a_kill_mid_write(tmp_path, monkeypatch):
 
 def test_no_checkpoint_returns_none(tmp_path):
     assert load_checkpoint(str(tmp_path), torch.nn.Linear(1, 1), None) is None
+
+
+def _torchrun(script: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(ROOT, "tests", "dist_scripts", script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _dist_script(name: str):
+    path = os.path.join(ROOT, "tests", "dist_scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _optimizer_by_name(model, optimizer) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: s for p, s in optimizer.state.items()}
+
+
+def _assert_same_optimizer(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and len(got) > 0
+    for name in want:
+        assert got[name].keys() == want[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(got[name][k], want[name][k]) for k in want[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process_and_back(tmp_path, lora_rank):
+    script = _dist_script("fsdp2_checkpoint")
+    # a checkpoint written by ONE process, which the 2 FSDP2 ranks resume first
+    model = script.make(lora_rank)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    script.train_step(model, optimizer, [0, 1, 2, 3], 4 * 11, 1)
+    save_checkpoint(str(tmp_path / "single"), 1, model, optimizer, Args())
+
+    proc = _torchrun("fsdp2_checkpoint.py", str(tmp_path), str(lora_rank), str(tmp_path / "single"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    from_one = torch.load(tmp_path / "from_one.pt")  # what the 2 ranks hold after resuming, gathered
+    assert from_one["step"] == 1
+    assert all(torch.equal(from_one["params"][n], p) for n, p in model.named_parameters())
+    _assert_same_optimizer(from_one["optim"], _optimizer_by_name(model, optimizer))
+
+    # the 2-rank FSDP2 checkpoint resumes in one plain process: identical parameters and AdamW state
+    reference = torch.load(tmp_path / "reference.pt")  # gathered by the ranks with DTensor.full_tensor()
+    torch.manual_seed(5)
+    model2, _ = load_policy(TINY_MODEL, lora_rank=lora_rank)
+    optimizer2 = torch.optim.AdamW([p for p in model2.parameters() if p.requires_grad], lr=1e-2)
+    state = load_checkpoint(str(tmp_path / "run"), model2, optimizer2)
+    assert state["step"] == 2 and state["args"] == {"lora_rank": lora_rank}
+    params = dict(model2.named_parameters())
+    assert params.keys() == reference["params"].keys()
+    assert all(torch.equal(params[n], reference["params"][n]) for n in params)
+    _assert_same_optimizer(_optimizer_by_name(model2, optimizer2), reference["optim"])
+
+    # the FSDP2 weight iterator (one parameter gathered at a time) gave exactly the merged weights
+    pushed = torch.load(tmp_path / "full_weights.pt")
+    merged = merged_state_dict(model2)
+    assert pushed.keys() == merged.keys()
+    assert all(torch.equal(pushed[k], merged[k]) for k in merged)
+
+    # and the resumed process's next step on the whole batch is the 2-rank step on half batches each
+    script.train_step(model2, optimizer2, [0, 1, 2, 3], 4 * 11, 1)
+    after = torch.load(tmp_path / "next.pt")
+    for n, p in model2.named_parameters():
+        torch.testing.assert_close(p.detach(), after[n], atol=1e-5, rtol=0)
+    moved = [n for n in after if not torch.equal(after[n], reference["params"][n])]
+    assert moved and (not lora_rank or all("lora_" in n for n in moved))  # LoRA: the frozen base stays
