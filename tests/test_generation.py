@@ -150,3 +150,39 @@ def test_unknown_backend_is_a_clear_error(policy):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks vLLM on a GPU machine")
 def test_auto_backend_is_hf_without_cuda(policy):
     assert isinstance(make_generator("auto", *policy), HFGenerator)
+
+
+def greedy_by_hand(model, prompt: list[int], n: int) -> list[int]:
+    """n argmax tokens from repeated full forwards of the model (no cache, no generator)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_generation_after_an_optimizer_step_reflects_the_update():
+    """The known trap of colocated trainers: an engine that goes back to the base weights (e.g. reloads
+    them after waking) silently rolls out the old policy. After an update, greedy generation must be the
+    argmax of the *updated* model, for a LoRA policy trained in place by an optimizer."""
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(TINY_MODEL, lora_rank=4, lora_alpha=64)
+    with torch.no_grad():
+        model.get_base_model().model.norm.weight.mul_(10.0)  # not near-ties
+    generator = make_generator("hf", model, tokenizer)
+    before = generator.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    assert [s[0].token_ids for s in before] == [greedy_by_hand(model, p, 6) for p in PROMPTS]
+
+    # one real optimizer step that makes the first greedy token of each prompt less likely (LoRA B starts
+    # at zero, so before this step the adapter changes nothing)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    first = torch.tensor([s[0].token_ids[0] for s in before])  # (2,)
+    for prompt_ids, token in zip(PROMPTS, first, strict=True):
+        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1]  # (V,)
+        F.log_softmax(logits, -1)[token].backward()  # gradient ascent on -log p = descent on log p
+    optimizer.step()
+    generator.update_weights(model)
+    after = generator.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    expected = [greedy_by_hand(model, p, 6) for p in PROMPTS]
+    assert [s[0].token_ids for s in after] == expected
+    assert all(s[0].token_ids[0] != t for s, t in zip(after, first.tolist(), strict=True))  # it changed
