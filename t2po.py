@@ -35,12 +35,13 @@ from typing import Literal
 import numpy as np
 import torch
 
+from common import dist
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.cli import parse_args
 from common.generation import make_generator
 from common.logprobs import token_logprobs
 from common.metrics import MetricsLogger
-from common.models import DEFAULT_MODEL, load_policy, resolve_model_path
+from common.models import DEFAULT_MODEL, load_policy, resolve_model_path, unwrap
 from envs.base import EnvPool, make_env
 
 
@@ -48,10 +49,12 @@ from envs.base import EnvPool, make_env
 class Args:
     env: str = field(default="webshop-lite", metadata={"help": "environment (envs registry); "
                      "webshop / alfworld / search also load the paper's settings (ENV_PRESETS)"})
+    env_options: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment, "
+                             "e.g. '{\"num_options\": 1}' (webshop-lite's CPU preset sets its own)"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF id or folder; default: packaged SmolLM2"})
     backend: Literal["auto", "hf", "vllm"] = field(default="auto", metadata={"help": "generation engine"})
-    steps: int = field(default=2, metadata={"help": "RL iterations"})
-    group_size: int = field(default=2, metadata={"help": "rollouts per task (GiGPO group; paper 8)"})
+    steps: int = field(default=4, metadata={"help": "RL iterations"})
+    group_size: int = field(default=4, metadata={"help": "rollouts per task (GiGPO group; paper 8)"})
     tasks_per_step: int = field(default=1, metadata={"help": "tasks per iteration (paper 16)"})
     lr: float = field(default=1e-5, metadata={"help": "RL learning rate (paper 1e-6)"})
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tune"})
@@ -62,7 +65,7 @@ class Args:
     max_obs_chars: int = field(default=200, metadata={"help": "observation chars kept in prompts"})
     eval_every: int = field(default=0, metadata={"help": "also evaluate every N RL steps"})
     save_every: int = field(default=4, metadata={"help": "checkpoint every N RL steps (and at the end)"})
-    eval_tasks: int = field(default=2, metadata={"help": "held-out tasks per evaluation"})
+    eval_tasks: int = field(default=8, metadata={"help": "held-out tasks per evaluation"})
     eval_temperature: float = field(default=0.0, metadata={"help": "0 = greedy; paper's val sampling: 0.6"})
     eval_top_p: float = field(default=1.0, metadata={"help": "paper's val sampling: 0.95"})
     eval_top_k: int = field(default=0, metadata={"help": "paper's val sampling: 20"})
@@ -81,7 +84,7 @@ class Args:
     tti_min_think: int = field(default=16, metadata={"help": "L_min: thinking tokens before TTI (ours)"})
     tti_max_think: int = field(default=0, metadata={"help": "L_max thinking cap; 0: max_new_tokens minus "
                                "min(32, max_new_tokens/2) for the action (official code: 450)"})
-    tti_chunk: int = field(default=32, metadata={"help": "tokens between TTI scans (waste ≤ chunk)"})
+    tti_chunk: int = field(default=48, metadata={"help": "tokens between TTI scans (waste ≤ chunk)"})
     # TDS (turn level)
     tds: bool = field(default=True, metadata={"help": "turn-level dynamical sampling (training only)"})
     tds_eta: float = field(default=0.3, metadata={"help": "η: resample the turn when |Φ_k − Φ_{k−1}| < η"})
@@ -104,9 +107,13 @@ class Args:
     rft: bool = field(default=True, metadata={"help": "RFT cold start before RL"})
     rft_source: Literal["auto", "expert", "sample"] = field(default="auto", metadata={
         "help": "expert trajectories where the env has an expert (auto), else rejection sampling (sample)"})
-    rft_episodes: int = field(default=8, metadata={"help": "episodes collected for RFT"})
+    rft_episodes: int = field(default=4, metadata={"help": "episodes collected for RFT"})
     rft_epochs: int = field(default=1, metadata={"help": "SFT epochs over the kept turns"})
     rft_lr: float = field(default=5e-5, metadata={"help": "SFT learning rate"})
+    # torchrun
+    parallel: Literal["auto", "none", "ddp", "fsdp2"] = field(default="auto", metadata={
+        "help": "auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params"})
+    dry_run: bool = field(default=False, metadata={"help": "print the per-rank memory plan and exit"})
 
 
 # The paper's settings per environment (T²PO scripts on verl-agent); a flag given explicitly wins.
@@ -121,6 +128,9 @@ ENV_PRESETS: dict[str, dict] = {
 }
 for _preset in ENV_PRESETS.values():
     _preset.update(max_obs_chars=100_000, ppo_minibatch=128, micro_batch=8, lora_rank=0)
+# The CPU demo (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
+# observation format, which drops the page header that repeats the instruction.
+ENV_PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}')
 
 
 def apply_env_preset(args: Args, argv: list[str]) -> Args:
@@ -137,27 +147,23 @@ def apply_env_preset(args: Args, argv: list[str]) -> Args:
 # Prompting (verl-agent templates, shortened): task, last P turns, current observation, admissible
 # actions. Each turn is one training sample: this prompt -> the model's response.
 
-TURN_TEMPLATE = """You are an expert autonomous agent. Your task is to: {task}
-{history}You are now at step {step} and your current observation is: {observation}
-Your admissible actions of the current situation are: [{actions}].
-
-Now it's your turn to take one action for the current step.
-You should first reason step-by-step about the current situation. This reasoning process MUST be \
-enclosed within <think> </think> tags.
-Once you've finished your reasoning, choose an admissible action for the current step and present it \
-within <action> </action> tags."""
+TURN_TEMPLATE = """Task: {task}
+{history}Step {step}. Observation: {observation}
+Admissible actions: [{actions}].
+Reason step by step inside <think> </think>, then give one admissible action inside <action> </action>."""
 
 
 def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: str,
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
-    """history: all (observation, action) pairs so far; only the last P are shown (memory window)."""
+    """history: all (observation, action) pairs so far; only the last P are shown (memory window).
+    verl-agent's wording, shortened: on a CPU every prompt token is paid for at every turn, twice (rollout
+    prefill and training forward), and the long template was ~60% of a webshop-lite prompt."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
                     for i, (o, a) in enumerate(shown))
     if lines:
-        lines = (f"Prior to this step, you have already taken {len(history)} step(s). Below are the most "
-                 f"recent {len(shown)} observations and the corresponding actions you took:\n{lines}")
+        lines = f"Your last {len(shown)} of {len(history)} steps:\n{lines}"
     actions = ", ".join(f"'{a}'" for a in admissible) if admissible else "any text command"
     return TURN_TEMPLATE.format(task=task, history=lines, step=len(history) + 1,
                                 observation=observation[:max_obs_chars], actions=actions)
@@ -271,13 +277,15 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
         out["entropies"] += sample.entropies[:n]
         out["confidences"] += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
 
-    # Phase 1, thinking (TTI only): chunks until </think>, TTI fires, eos, or the budget runs out.
+    # Phase 1, thinking (TTI only): chunks until TTI fires, eos, or the budget runs out. A chunk runs on
+    # past a natural </think> (TTI no longer applies) to </action>: one call per turn when the chunk
+    # covers the response, since on a CPU the prompt's prefill, paid again per call, dominates.
     thinking = list(range(len(prompts))) if tti else []
     while thinking:
         samples = generator.generate([prompts[i] + outs[i]["ids"] for i in thinking],
                                      max_new_tokens=min(args.tti_chunk, budget - min(len(outs[i]["ids"])
                                                                                      for i in thinking)),
-                                     stop=["</think>"], seeds=[seeds[i] for i in thinking], **gen_kwargs)
+                                     stop=["</action>"], seeds=[seeds[i] for i in thinking], **gen_kwargs)
         still = []
         for i, [sample] in zip(thinking, samples, strict=True):
             out, done_before = outs[i], len(outs[i]["ids"])
@@ -404,11 +412,17 @@ def turn_seed(*key: int) -> int:
 
 
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *, step: int,
-            train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0) -> tuple[list[dict], dict]:
+            train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
+            keys: list[int] | None = None) -> tuple[list[dict], dict]:
     """Play len(tasks) episodes. Returns episodes (each: group, won, score, turns) and rollout stats.
+    keys: a global id per episode (default 0..n−1) that keys its sampling seeds, so an episode draws the
+    same tokens whichever rank plays it (and a resume on any number of ranks repeats it).
     A turn holds the training sample (prompt ids → response ids, mask of policy tokens), the anchor
     observation, its reward r_t and the signals (think tokens, TTI, TDS)."""
-    n = len(tasks)
+    n, keys = len(tasks), keys or list(range(len(tasks)))
+    stats = defaultdict(float)
+    if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
+        return [], stats
     first = pool.reset(tasks)
     obs = [o for o, _ in first]
     infos = [i for _, i in first]
@@ -417,7 +431,6 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
     episodes = [dict(task=tasks[i], group=groups[i], won=False, score=0.0, turns=[]) for i in range(n)]
     done = [bool(i.get("error")) for i in infos]
     phi_prev: list[float | None] = [None] * n
-    stats = defaultdict(float)
     for k in range(args.max_turns):
         active = [i for i in range(n) if not done[i]]
         if not active:
@@ -425,7 +438,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         prompts = [encode_prompt(tokenizer, build_turn_prompt(
             instruction[i], history[i], obs[i], infos[i].get("admissible_actions") or [],
             args.history_length, args.max_obs_chars)) for i in active]
-        seeds = [turn_seed(args.seed, step, int(train), i, k, 0) for i in active]
+        seeds = [turn_seed(args.seed, step, int(train), keys[i], k, 0) for i in active]
         outs = generate_turn(generator, tokenizer, prompts, seeds, args, temperature=temperature,
                              top_p=top_p, top_k=top_k, tti=args.tti)
         phis = [turn_phi(o, args.alpha) for o in outs]
@@ -436,9 +449,9 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                         if tds_should_resample(phis[j], phi_prev[i], args.tds_eta)]
                 if not redo:
                     break
-                new = generate_turn(generator, tokenizer, [prompts[j] for j in redo],
-                                    [turn_seed(args.seed, step, 1, active[j], k, attempt) for j in redo],
-                                    args, temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
+                redo_seeds = [turn_seed(args.seed, step, 1, keys[active[j]], k, attempt) for j in redo]
+                new = generate_turn(generator, tokenizer, [prompts[j] for j in redo], redo_seeds, args,
+                                    temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
                 for j, o in zip(redo, new, strict=True):
                     outs[j] = o
                     phis[j] = turn_phi(o, args.alpha)
@@ -474,13 +487,23 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
     return episodes, stats
 
 
-def summarise(episodes: list[dict], stats: dict, prefix: str = "") -> dict:
+def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool = False) -> dict:
+    """Rollout metrics; gather=True (training, under torchrun): over every rank's episodes."""
+    rows = [(ep["won"], ep["score"], sum(t["reward"] for t in ep["turns"])) for ep in episodes]
+    if gather:
+        parts = dist.all_gather_object((rows, dict(stats)))
+        rows = [r for part, _ in parts for r in part]
+        stats = defaultdict(float)
+        for _, part in parts:
+            for k, v in part.items():
+                stats[k] += v
+    won, score, reward = (np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows else ([0.0],) * 3
     turns = max(1.0, stats["turns"])
     return {
-        f"{prefix}success_rate": float(np.mean([ep["won"] for ep in episodes])),
-        f"{prefix}score": float(np.mean([ep["score"] for ep in episodes])),
-        f"{prefix}reward_mean": float(np.mean([sum(t["reward"] for t in ep["turns"]) for ep in episodes])),
-        f"{prefix}turns_per_episode": stats["turns"] / max(1, len(episodes)),
+        f"{prefix}success_rate": float(np.mean(won)),
+        f"{prefix}score": float(np.mean(score)),
+        f"{prefix}reward_mean": float(np.mean(reward)),
+        f"{prefix}turns_per_episode": stats["turns"] / max(1, len(rows)),
         f"{prefix}tokens_per_turn": stats["tokens"] / turns,
         f"{prefix}think_tokens_per_turn": stats["think_tokens"] / turns,
         f"{prefix}tti_interventions": stats["tti_interventions"] / turns,
@@ -530,27 +553,30 @@ def rft_keep(episodes: list[dict]) -> list[dict]:
     return [t for ep in episodes if ep["won"] and all(t["valid"] for t in ep["turns"]) for t in ep["turns"]]
 
 
-def sft(model, tokenizer, samples: list[tuple[list[int], list[int]]], args: Args, lr: float, epochs: int,
+def sft(policy, samples: list[tuple[list[int], list[int]]], args: Args, lr: float, epochs: int,
         rng: np.random.Generator) -> float:
-    """Supervised fine-tuning on (prompt ids, response ids): mean NLL of the response tokens."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    model.train()
+    """Supervised fine-tuning on (prompt ids, response ids): mean NLL of the response tokens, one optimizer
+    step per `micro_batch` samples. Under torchrun each rank takes its share of every micro-batch (the
+    order comes from the plain seed, the same on every rank) and divides by the global token count."""
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=0.0)
+    turns = [dict(prompt_ids=p, response_ids=r, mask=[1] * len(r)) for p, r in samples]
+    policy.train()
     loss_value = float("nan")
     for _ in range(epochs):
-        order = rng.permutation(len(samples))
+        order = rng.permutation(len(turns)).tolist()
         for b in range(0, len(order), args.micro_batch):
-            batch = [samples[i] for i in order[b:b + args.micro_batch]]
-            ids, attn, resp_mask = pad_batch([p + r for p, r in batch],
-                                             [[0] * len(p) + [1] * len(r) for p, r in batch])
-            logp = token_logprobs(model, ids, attn)  # (B, T-1)
-            mask = resp_mask[:, 1:]
-            loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+            mine = [turns[i] for i in dist.shard(order[b:b + args.micro_batch])]
+            [(batch, weight)] = padded_microbatches(mine, len(mine) or 1)
+            logp, mask = turn_logprobs(policy, batch, 1.0)  # (B, T-1)
+            n_tokens = max(1.0, dist.all_reduce(float(mask.sum()) * weight))
+            loss = -(logp * mask).sum() * weight / n_tokens
             optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            (loss * dist.grad_scale()).backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
-            loss_value = loss.item()
-    model.eval()
+            loss_value = dist.all_reduce(loss.item())
+    policy.eval()
     return loss_value
 
 
@@ -587,116 +613,165 @@ def turn_batch(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.T
                      [[0] * len(s["prompt_ids"]) + s["mask"] for s in samples])
 
 
+def padded_microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
+    """(samples, weight) micro-batches, as many on every rank: under torchrun each backward is a collective
+    (DDP's gradient all-reduce), so a rank with fewer runs zero-weight ones. A rank with no samples at all
+    gets a placeholder sample (its loss is multiplied by 0). One process: the plain micro-batches."""
+    micro = [(samples[b:b + size], 1.0) for b in range(0, len(samples), size)]
+    n = dist.all_reduce(len(micro), "max")
+    filler = samples[:1] or [dict(prompt_ids=[0], response_ids=[0], mask=[0], advantage=0.0)]
+    return micro + [(filler, 0.0)] * (n - len(micro))
+
+
+def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T-1) log-probs of each turn's response tokens under `model` (prompt positions are 0: the
+    vocabulary projection runs on response tokens only), and the (B, T-1) loss mask of policy tokens."""
+    ids, attn, loss_mask = turn_batch(batch)
+    mask = loss_mask[:, 1:]  # (B, T-1): logp[:, t] scores token t+1
+    return token_logprobs(model, ids, attn, temperature=temperature, target_mask=mask), mask
+
+
 @torch.no_grad()
 def policy_logprobs(model, samples: list[dict], args: Args, key: str, adapter_off: bool = False) -> None:
     """Log-probs of every turn's tokens under `model` (old policy, or reference for the KL), stored in
     sample[key] as a (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
-    for b in range(0, len(samples), args.micro_batch):
-        batch = samples[b:b + args.micro_batch]
-        ids, attn, _ = turn_batch(batch)
+    for batch, _ in padded_microbatches(samples, args.micro_batch):
         if adapter_off:
-            with model.disable_adapter():
-                logp = token_logprobs(model, ids, attn, temperature=args.temperature)
+            with unwrap(model).disable_adapter():
+                logp, _ = turn_logprobs(model, batch, args.temperature)
         else:
-            logp = token_logprobs(model, ids, attn, temperature=args.temperature)
+            logp, _ = turn_logprobs(model, batch, args.temperature)
         for s, row in zip(batch, logp, strict=True):
             s[key] = row[:len(s["prompt_ids"]) + len(s["response_ids"]) - 1]
 
 
-def ppo_update(model, optimizer, samples: list[dict], args: Args, rng: np.random.Generator,
+def stacked(batch: list[dict], key: str, width: int) -> torch.Tensor:
+    return torch.stack([torch.nn.functional.pad(s[key], (0, width - len(s[key]))) for s in batch])  # (B, T-1)
+
+
+def ppo_update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Generator,
                reference=None) -> dict:
-    """One epoch over the turn samples in minibatches; one optimizer step per minibatch."""
-    policy_logprobs(model, samples, args, "old_logp")  # π_old: recomputed by the training model
+    """One epoch over the turn samples; one optimizer step per minibatch.
+
+    Under torchrun `samples` are this rank's (whole groups) and `policy` is DDP-wrapped. The number of
+    minibatches comes from the global sample count, each rank splits its samples into that many, and each
+    minibatch's token-mean divides by the global token count of that minibatch; the loss is multiplied by
+    `dist.grad_scale()` because DDP averages gradients over ranks. So one optimizer step is the same update
+    on 1, 2 or 8 ranks (exactly so with one minibatch; with more, which samples share a minibatch depends
+    on the world size)."""
+    n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.ppo_minibatch))
+    # π_old: the policy that sampled the turns, recomputed by the training model. With one minibatch the
+    # policy is still π_old during the update (no dropout in these models), so the update's own forward,
+    # detached, is the same number and the extra forward pass is skipped.
+    recompute = n_minibatches > 1
+    if recompute:
+        policy_logprobs(policy, samples, args, "old_logp")
     if args.kl_coef > 0:
-        policy_logprobs(reference if reference is not None else model, samples, args, "ref_logp",
+        policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
                         adapter_off=reference is None)
-    model.train()
+    policy.train()
     order = rng.permutation(len(samples))
     totals = defaultdict(float)
-    for m0 in range(0, len(order), args.ppo_minibatch):
-        minibatch = [samples[i] for i in order[m0:m0 + args.ppo_minibatch]]
-        n_tokens = sum(sum(s["mask"]) for s in minibatch)
+    for part in np.array_split(order, n_minibatches):  # exactly n_minibatches on every rank
+        minibatch = [samples[i] for i in part]
+        n_tokens = max(1.0, dist.all_reduce(float(sum(sum(s["mask"]) for s in minibatch))))  # global count
         optimizer.zero_grad()
-        for b in range(0, len(minibatch), args.micro_batch):
-            batch = minibatch[b:b + args.micro_batch]
-            ids, attn, loss_mask = turn_batch(batch)
-            mask = loss_mask[:, 1:]  # (B, T-1): logp[:, t] scores token t+1
-            logp = token_logprobs(model, ids, attn, temperature=args.temperature)
+        for batch, weight in padded_microbatches(minibatch, args.micro_batch):
+            logp, mask = turn_logprobs(policy, batch, args.temperature)
+            mask = mask * weight  # weight 0: a placeholder micro-batch, zero gradient
             width = logp.shape[1]
-            old = torch.stack([torch.nn.functional.pad(s["old_logp"], (0, width - len(s["old_logp"])))
-                               for s in batch])
+            old = stacked(batch, "old_logp", width) if recompute else logp.detach()
             adv = torch.tensor([s["advantage"] for s in batch]).unsqueeze(1)  # (B, 1): one A per turn
             loss, n_clipped = ppo_clip_loss(logp, old, adv, mask, args.clip_eps)
             if args.kl_coef > 0:  # k3 estimator of KL(π_θ || π_ref), token-mean
-                ref = torch.stack([torch.nn.functional.pad(s["ref_logp"], (0, width - len(s["ref_logp"])))
-                                   for s in batch])
-                log_ratio = ref - logp
+                log_ratio = stacked(batch, "ref_logp", width) - logp
                 kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum()
                 loss = loss + args.kl_coef * kl
                 totals["kl"] += kl.item()
-            (loss / max(1, n_tokens)).backward()
+            (loss / n_tokens * dist.grad_scale()).backward()
             totals["loss"] += loss.item()
             totals["clipped"] += n_clipped.item()
-        totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+        optimizer.step()
         totals["tokens"] += n_tokens
-        totals["minibatches"] += 1
-    model.eval()
-    tokens, steps = max(1.0, totals["tokens"]), max(1.0, totals["minibatches"])
-    out = {"loss": totals["loss"] / tokens, "clip_fraction": totals["clipped"] / tokens,
-           "grad_norm": totals["grad_norm"] / steps, "num_tokens": int(totals["tokens"])}
+    policy.eval()
+    tokens = totals["tokens"]
+    loss, clipped, kl = (dist.all_reduce(totals[k]) for k in ("loss", "clipped", "kl"))  # sums of shares
+    out = {"loss": loss / tokens, "clip_fraction": clipped / tokens,
+           "grad_norm": totals["grad_norm"] / n_minibatches, "num_tokens": int(tokens)}
     if args.kl_coef > 0:
-        out["kl"] = totals["kl"] / tokens
+        out["kl"] = kl / tokens
     return out
 
 
 # ---------------------------------------------------------------------------------------------------
 
+@dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = apply_env_preset(parse_args(Args, argv), argv)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
-    rng = np.random.default_rng(args.seed)
-    torch.manual_seed(args.seed)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    device = dist.init()
+    main_rank = dist.is_main()
+    say = print if main_rank else (lambda *a, **k: None)
+    if args.dry_run:  # memory plan per rank, no weights loaded
+        from common.plan import print_plan
+        print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=4096 + args.max_new_tokens,
+                   micro_batch=args.micro_batch, backend=args.backend)
+        return {}
+    os.makedirs(args.out, exist_ok=True)
+    if main_rank:
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+    rng = np.random.default_rng(args.seed)  # the plain seed: the same model init and RFT data on every rank
+    torch.manual_seed(args.seed)
 
     try:
-        env = make_env(args.env, seed=args.seed)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+        env_options = {"seed": args.seed, **json.loads(args.env_options)}
+        env = make_env(args.env, **env_options)
+    except (ValueError, TypeError) as e:  # unknown env, bad JSON, unknown option
+        raise SystemExit(f"t2po.py: --env {args.env} --env-options {args.env_options}: {e}") from None
     train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
     try:
-        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank)
+        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank, device=device)
         generator = make_generator(args.backend, model, tokenizer, resolve_model_path(args.model))
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
         raise SystemExit(str(e)) from None
     model.eval()
+    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
+            and type(generator).__name__ == "HFGenerator":
+        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
+        raise SystemExit("t2po.py: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
+                         "would deadlock); use --parallel ddp or --lora-rank > 0")
+    policy = dist.wrap(model, args.parallel)  # training forward/backward; generation uses `model`
     reference = None
     if args.kl_coef > 0 and args.lora_rank == 0:
         import copy
         reference = copy.deepcopy(model).eval()  # π_ref for the KL; with LoRA: the adapter switched off
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=0.0)
-    batch_size = args.tasks_per_step * args.group_size
-    train_pool = EnvPool(args.env, batch_size, seed=args.seed)
-    eval_pool = EnvPool(args.env, len(eval_tasks), seed=args.seed)
+    my_groups = dist.shard(list(range(args.tasks_per_step)))  # whole groups per rank: advantages stay local
+    train_pool = EnvPool(args.env, len(my_groups) * args.group_size, **env_options)
+    eval_pool = EnvPool(args.env, len(eval_tasks), **env_options) if main_rank else None
     summary: dict = {}
 
     start_step = 0
-    state = load_checkpoint(args.out, model, optimizer) if args.resume else None
+    state = load_checkpoint(args.out, model, optimizer) if args.resume else None  # every rank reads it
     if state is not None:
         start_step, summary = state["step"], state["extra"] or {}
         generator.update_weights(model)
-        print(f"resumed from step {start_step}")
+        say(f"resumed from step {start_step}")
 
     def report(stage: str, step: int) -> dict:
-        result = evaluate(generator, tokenizer, eval_pool, eval_tasks, args, step)
-        print(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
-              f"score {result['eval/score']:.3f}  tokens/turn {result['eval/tokens_per_turn']:.1f}  "
-              f"invalid {result['eval/invalid_format_rate']:.2f}")
-        return result
+        """Held-out evaluation on rank 0 (the others wait for its result)."""
+        result = None
+        if main_rank:
+            result = evaluate(generator, tokenizer, eval_pool, eval_tasks, args, step)
+            print(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
+                  f"score {result['eval/score']:.3f}  tokens/turn {result['eval/tokens_per_turn']:.1f}  "
+                  f"invalid {result['eval/invalid_format_rate']:.2f}", flush=True)
+        return dist.broadcast_object(result)
 
     if "base" not in summary:
         summary["base"] = report("base", 0)
@@ -713,53 +788,58 @@ def main(argv: list[str] | None = None) -> dict:
                                  "use --rft-source sample")
             n_episodes = min(args.rft_episodes, len(train_tasks))
             picks = [train_tasks[i] for i in rng.choice(len(train_tasks), n_episodes, replace=False)]
-            episodes = expert_episodes(env, picks, args)
+            episodes = expert_episodes(env, picks, args)  # the same on every rank (plain seed)
             kept = rft_keep(episodes)
             samples = [(encode_prompt(tokenizer, t["prompt"]), tokenizer(t["text"], add_special_tokens=False)
                         ["input_ids"] + [tokenizer.eos_token_id]) for t in kept]
-        else:  # rejection sampling from the policy itself
-            episodes = []
-            for r in range(math.ceil(args.rft_episodes / batch_size)):
-                picks = [train_tasks[i] for i in rng.choice(len(train_tasks), batch_size, replace=False)]
-                eps, _ = rollout(generator, tokenizer, train_pool, picks, list(range(batch_size)), args,
-                                 step=-1 - r, train=False, temperature=args.temperature)
-                episodes += eps
-            samples = [(t["prompt_ids"], t["response_ids"]) for t in rft_keep(episodes)]
-        print(f"[rft] {len(samples)} turns kept from {sum(ep['won'] for ep in episodes)}/{len(episodes)} "
-              f"successful episodes ({source})")
+        else:  # rejection sampling from the policy itself; each rank plays its share, all keep all
+            episodes, samples, per_rank = [], [], args.group_size  # episodes per rank per round
+            pool = EnvPool(args.env, per_rank, **env_options)
+            for r in range(math.ceil(args.rft_episodes / (per_rank * dist.world_size()))):
+                ids = dist.shard(list(range(r * dist.world_size() * per_rank,
+                                            (r + 1) * dist.world_size() * per_rank)))
+                picks = [train_tasks[i % len(train_tasks)] for i in ids]
+                eps, _ = rollout(generator, tokenizer, pool, picks, ids, args, step=-1, train=False,
+                                 temperature=args.temperature, keys=ids)
+                for part_eps, part_samples in dist.all_gather_object(
+                        ([dict(won=e["won"], turns=[]) for e in eps],
+                         [(t["prompt_ids"], t["response_ids"]) for t in rft_keep(eps)])):
+                    episodes += part_eps
+                    samples += part_samples
+        say(f"[rft] {len(samples)} turns kept from {sum(ep['won'] for ep in episodes)}/{len(episodes)} "
+            f"successful episodes ({source})")
         if samples:
-            sft_loss = sft(model, tokenizer, samples, args, args.rft_lr, args.rft_epochs, rng)
+            sft_loss = sft(policy, samples, args, args.rft_lr, args.rft_epochs, rng)
             generator.update_weights(model)
-            print(f"[rft] SFT loss {sft_loss:.3f}  ({time.time() - t0:.0f}s)")
+            say(f"[rft] SFT loss {sft_loss:.3f}  ({time.time() - t0:.0f}s)")
         summary["rft"] = report("rft", 0)
-        save_checkpoint(args.out, 0, model, optimizer, args, extra=summary)
+        save_checkpoint(args.out, 0, model, optimizer, args, extra=summary)  # every rank: rank 0 writes
 
     # RL: T²PO rollouts, GiGPO advantages, PPO-clip.
     logger = MetricsLogger(args.out, args.steps, "t2po" if (args.tti or args.tds) else "gigpo",
-                           initial_step=start_step)
+                           initial_step=start_step, enabled=main_rank)
     t_start = time.time()
     for step in range(start_step, args.steps):
         t0 = time.time()
         step_rng = np.random.default_rng([args.seed, step])  # keyed on the step: --resume reproduces it
-        picks = step_rng.choice(len(train_tasks), args.tasks_per_step, replace=False)
-        tasks = [train_tasks[i] for i in picks for _ in range(args.group_size)]
-        groups = [g for g in range(args.tasks_per_step) for _ in range(args.group_size)]
-        episodes, stats = rollout(generator, tokenizer, train_pool, tasks, groups, args, step=step,
-                                  train=True, temperature=args.temperature)
+        picks = step_rng.choice(len(train_tasks), args.tasks_per_step, replace=False)  # same on all ranks
+        ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]  # global ids
+        groups = [i // args.group_size for i in ids]
+        episodes, stats = rollout(generator, tokenizer, train_pool, [train_tasks[picks[g]] for g in groups],
+                                  groups, args, step=step, train=True, temperature=args.temperature, keys=ids)
         advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_norm)
         samples = []
         for ep, adv in zip(episodes, advantages, strict=True):
             for turn, a in zip(ep["turns"], adv, strict=True):
                 if sum(turn["mask"]) > 0:
                     samples.append(dict(turn, advantage=a))
-        update = ppo_update(model, optimizer, samples, args, step_rng, reference) if samples else {}
-        generator.update_weights(model)
-        line = {"step": step + 1, **summarise(episodes, stats), **update,
+        update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])  # minibatch order
+        update = ppo_update(policy, optimizer, samples, args, update_rng, reference)
+        generator.update_weights(model)  # each rank's own generator samples from the new policy
+        line = {"step": step + 1, **summarise(episodes, stats, gather=True), **update,
                 "time_s": round(time.time() - t_start, 1), "step_time_s": round(time.time() - t0, 1)}
-        line.setdefault("loss", 0.0)
-        line.setdefault("num_tokens", 0)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            line.update(evaluate(generator, tokenizer, eval_pool, eval_tasks, args, step + 1))
+            line.update(report(f"step {step + 1}", step + 1))
         logger.log(line)
         if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             save_checkpoint(args.out, step + 1, model, optimizer, args, extra=summary)
@@ -769,7 +849,9 @@ def main(argv: list[str] | None = None) -> dict:
         save_checkpoint(args.out, args.steps, model, optimizer, args, extra=summary)
     logger.close()
     stages = [s for s in ("base", "rft", "rl") if s in summary]
-    print("held-out success: " + " -> ".join(f"{s} {summary[s]['eval/success_rate']:.3f}" for s in stages))
+    say("held-out success: " + " -> ".join(f"{s} {summary[s]['eval/success_rate']:.3f}" for s in stages)
+        + "  | score: " + " -> ".join(f"{s} {summary[s]['eval/score']:.3f}" for s in stages))
+    dist.cleanup()
     return summary
 
 

@@ -107,7 +107,7 @@ def test_prompt_shows_only_the_last_p_turns():
     assert "obs1" not in text and "'a1'" not in text
     assert "[Observation 2: 'obs2', Action 2: 'a2']" in text
     assert "[Observation 3: 'obs3', Action 3: 'a3']" in text
-    assert "already taken 3 step(s)" in text and "step 4" in text and "obs4" in text
+    assert "last 2 of 3 steps" in text and "Step 4." in text and "obs4" in text
     assert "'click[x]', 'search[y]'" in text and "<think>" in text and "<action>" in text
 
 
@@ -165,6 +165,69 @@ def test_ppo_clip_loss_token_sums_and_clip_count():
     # loss = -(1.2 + .5 - .8) = -0.9
     assert loss.item() == pytest.approx(-0.9, abs=1e-6)
     assert n_clipped.item() == 2
+
+
+def test_ppo_update_moves_the_policy_toward_positive_advantages():
+    """One PPO iteration (one minibatch: π_old = the policy before the step) must change the weights, and
+    raise the log-prob of a response with A > 0 while lowering one with A < 0 (a missing optimizer step,
+    or a sign error, fails this)."""
+    import numpy as np
+
+    from common.models import load_policy
+    model, _ = load_policy("tiny-random")
+    good = dict(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23], mask=[1, 1, 1], advantage=1.0)
+    bad = dict(prompt_ids=[11, 12, 13], response_ids=[31, 32, 33], mask=[1, 1, 1], advantage=-1.0)
+
+    def logp(sample):
+        with torch.no_grad():
+            lp, mask = t2po.turn_logprobs(model, [sample], 1.0)
+        return (lp * mask).sum().item()
+
+    before = (logp(good), logp(bad))
+    args = t2po.Args(lr=1e-2, ppo_minibatch=8, micro_batch=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    stats = t2po.ppo_update(model, optimizer, [dict(good), dict(bad)], args, np.random.default_rng(0))
+    assert stats["num_tokens"] == 6 and stats["clip_fraction"] == 0.0  # ratio 1 at the single step
+    assert stats["loss"] == pytest.approx(0.0, abs=1e-6)  # -(3·1 + 3·(−1)) / 6
+    assert logp(good) > before[0] and logp(bad) < before[1]
+
+
+@pytest.mark.slow
+def test_torchrun_update_equals_single_process(tmp_path):
+    """tests/dist_scripts/t2po_update.py: 2 ranks (3 groups: 2 on rank 0, 1 on rank 1, so rank 1 pads with
+    a zero-weight micro-batch) give identical parameters on both ranks after each of 2 iterations, equal to
+    one process trained on all the samples."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "dist_scripts", "t2po_update.py")
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    single.mkdir()
+    multi.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", script,
+           str(multi)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    spec = importlib.util.spec_from_file_location("t2po_update", script)  # the same script, one process,
+    worker = importlib.util.module_from_spec(spec)                        # here while torchrun runs
+    spec.loader.exec_module(worker)
+    worker.main(str(single))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    for it in range(2):
+        one, two = torch.load(single / f"step{it}.pt"), torch.load(multi / f"step{it}.pt")
+        assert (one["world"], two["world"]) == (1, 2)
+        assert (one["local_samples"], two["local_samples"]) == (9, 6)  # groups of 2+4 on rank 0
+        assert two["agree"]  # every parameter identical on both ranks
+        # global token count: responses of 2,5 | 3,2,5 | 4,3,2,5 tokens = 31, minus 3 forced tokens
+        assert one["stats"]["num_tokens"] == two["stats"]["num_tokens"] == 28
+        # ratio 1: loss = −Σ A·n / 28 = −(.5·2 − .5·4 + .75·3 − .75·1 + .75·5 + 4 − 2 + 2 − 5) / 28
+        assert two["stats"]["loss"] == pytest.approx(-3.25 / 28, abs=1e-12)
+        assert torch.allclose(one["params"], two["params"], rtol=0, atol=1e-12)
+    assert not torch.equal(one["params"], torch.load(single / "step0.pt")["params"])  # the 2nd step moved
 
 
 # ---- RFT ----------------------------------------------------------------------------------------------
