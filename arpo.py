@@ -29,6 +29,7 @@ differ by one flag at the same rollout budget.
     python arpo.py --rollout global      # the GRPO baseline
     python arpo.py --preset paper        # the paper's rollout settings (M=16, N=8, k=20, ...)
     python arpo.py --env toy --model tiny-random --steps 10   # seconds: plumbing check
+    torchrun --nproc-per-node 8 arpo.py --backend vllm --model <SFT'd model>   # questions sharded over ranks
 
 docs/arpo.md has the equations beside these lines and the hyper-parameter table.
 """
@@ -49,9 +50,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+from common import dist
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.cli import parse_args
-from common.generation import make_generator
+from common.generation import HFGenerator, make_generator
 from common.logprobs import token_logprobs
 from common.metrics import MetricsLogger
 from common.models import load_policy, resolve_model_path
@@ -103,6 +105,9 @@ class Args:
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --out"})
     save_every: int = field(default=4, metadata={"help": "checkpoint every N steps"})
     seed: int = field(default=0, metadata={"help": "seed for everything"})
+    parallel: Literal["auto", "none", "ddp", "fsdp2"] = field(default="auto", metadata={
+        "help": "under torchrun: auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B "
+                "params (FSDP2 needs --backend vllm)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default); 1 is much "
                                                       "faster on a CPU shared with other jobs"})
     cold_start: bool = field(default=True, metadata={
@@ -415,7 +420,13 @@ def score_rollouts(env, tasks: list, rollouts: list[Rollout], tokenizer) -> tupl
 def build_batch(prompts: list[list[int]], rollouts: list[Rollout], advantages: list[list[float]],
                 pad_id: int) -> dict[str, torch.Tensor]:
     """One right-padded sequence per rollout: prompt + response. Targets are shifted by one:
-    position t of the (B, T-1) tensors scores token t+1. Only policy tokens of the response count."""
+    position t of the (B, T-1) tensors scores token t+1. Only policy tokens of the response count.
+
+    No rollouts (a rank whose shard is empty under torchrun): one two-token row that counts nothing, so the
+    rank can still run the zero-weight forward/backward passes DDP waits for."""
+    if not rollouts:
+        return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long), "attention_mask":
+                torch.ones(1, 2, dtype=torch.long), "loss_mask": torch.zeros(1, 1), "adv": torch.zeros(1, 1)}
     seqs = [prompts[r.question] + r.response_ids for r in rollouts]
     b, t = len(seqs), max(map(len, seqs))
     input_ids = torch.full((b, t), pad_id, dtype=torch.long)      # (B, T)
@@ -438,10 +449,24 @@ def sequence_logprobs(model, batch: dict, rows, temperature: float) -> torch.Ten
                           temperature=temperature)
 
 
-def ppo_update(model, ref_model, optimizer, batch: dict, args: Args, rng: random.Random) -> dict:
-    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16)."""
+def padded_microbatches(rows: list[int], size: int) -> list[tuple[list[int], float]]:
+    """(rows, weight) micro-batches of `size`, as many on every rank: under torchrun each backward is a
+    collective (DDP's gradient all-reduce), so a rank with fewer micro-batches runs zero-weight ones (row 0,
+    loss * 0). One process: the plain micro-batches, weight 1."""
+    micro = [rows[i:i + size] for i in range(0, len(rows), size)]
+    n = dist.all_reduce(len(micro), "max")
+    return [(m, 1.0) for m in micro] + [([0], 0.0)] * (n - len(micro))
+
+
+def ppo_update(policy, ref_model, optimizer, batch: dict, args: Args, rng: random.Random) -> dict:
+    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16).
+
+    Under torchrun `batch` holds this rank's questions and `policy` is the DDP-wrapped model: a mini-batch
+    is this rank's share of the global one, the token-mean divides by the global policy-token count, and
+    the loss is multiplied by `dist.grad_scale()` because DDP averages gradients over ranks; so one
+    optimizer step is the same update on 1, 2 or 8 ranks."""
     b = batch["input_ids"].shape[0]
-    micro = [list(range(i, min(i + args.micro_batch_size, b))) for i in range(0, b, args.micro_batch_size)]
+    size = args.micro_batch_size
     # pi_old: the policy that sampled the batch, recomputed under the training model as verl does. With one
     # optimizer step per batch the policy is still pi_old during the update, so logp.detach() is the same
     # number and the extra forward pass is skipped.
@@ -449,27 +474,28 @@ def ppo_update(model, ref_model, optimizer, batch: dict, args: Args, rng: random
     with torch.no_grad():
         batch["old_logp"] = torch.zeros_like(batch["adv"])
         batch["ref_logp"] = torch.zeros_like(batch["adv"])
-        for rows in micro:
+        for rows, _ in padded_microbatches(list(range(b)), size) if recompute or ref_model else []:
             if recompute:
-                lp = sequence_logprobs(model, batch, rows, args.temperature)  # (b, t-1)
+                lp = sequence_logprobs(policy, batch, rows, args.temperature)  # (b, t-1)
                 batch["old_logp"][rows, :lp.shape[1]] = lp
             if ref_model is not None:
                 lp = sequence_logprobs(ref_model, batch, rows, args.temperature)
                 batch["ref_logp"][rows, :lp.shape[1]] = lp
     order = list(range(b))
     rng.shuffle(order)
-    per_mb = math.ceil(b / args.minibatches)
     stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "grad_norm": 0.0}
-    for start in range(0, b, per_mb):
-        rows_mb = order[start:start + per_mb]
-        num_tokens = max(1.0, batch["loss_mask"][rows_mb].sum().item())  # token-mean over the mini-batch
-        for i in range(0, len(rows_mb), args.micro_batch_size):
-            rows = rows_mb[i:i + args.micro_batch_size]
-            if ref_model is None and not batch["adv"][rows].any():
-                continue  # all-zero advantages (e.g. every rollout -1): the gradient is exactly 0
-            logp = sequence_logprobs(model, batch, rows, args.temperature)  # (b, t-1)
+    for rows_mb in np.array_split(order, args.minibatches):  # exactly `minibatches` on every rank
+        rows_mb = rows_mb.tolist()
+        # token-mean over the (global) mini-batch: every rank divides by the same count
+        num_tokens = max(1.0, dist.all_reduce(batch["loss_mask"][rows_mb].sum().item()))
+        for rows, weight in padded_microbatches(rows_mb, size):
+            # all-zero advantages (e.g. every rollout -1) give exactly zero gradient: skipped, jointly
+            active = weight > 0 and (ref_model is not None or bool(batch["adv"][rows].any()))
+            if not dist.all_reduce(int(active), "max"):
+                continue
+            logp = sequence_logprobs(policy, batch, rows, args.temperature)  # (b, t-1)
             t = logp.shape[1]
-            mask, adv = batch["loss_mask"][rows, :t], batch["adv"][rows, :t]
+            mask, adv = batch["loss_mask"][rows, :t] * weight, batch["adv"][rows, :t]
             old_logp = batch["old_logp"][rows, :t] if recompute else logp.detach()
             loss, clipped = ppo_dual_clip_loss(logp, old_logp, adv, mask, num_tokens,
                                                args.clip_low, args.clip_high, args.dual_clip)
@@ -478,17 +504,17 @@ def ppo_update(model, ref_model, optimizer, batch: dict, args: Args, rng: random
                 kl = ((torch.exp(log_r) - log_r - 1) * mask).sum() / num_tokens
                 loss = loss + args.kl_coef * kl
                 stats["kl"] += kl.item()
-            loss.backward()
+            (loss * dist.grad_scale()).backward()  # weight 0: mask 0, a zero gradient the ranks still sum
             stats["loss"] += loss.item()
             stats["clipped"] += clipped.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         stats["grad_norm"] += float(grad_norm)
-    n_mb = math.ceil(b / per_mb)
-    total = max(1.0, batch["loss_mask"].sum().item())
-    return {"loss": stats["loss"] / n_mb, "clip_fraction": stats["clipped"] / total,
-            "kl": stats["kl"] / n_mb, "grad_norm": stats["grad_norm"] / n_mb}
+    total = max(1.0, dist.all_reduce(batch["loss_mask"].sum().item()))
+    loss, clipped, kl = (dist.all_reduce(stats[k]) for k in ("loss", "clipped", "kl"))  # sums of shares
+    return {"loss": loss / args.minibatches, "clip_fraction": clipped / total,
+            "kl": kl / args.minibatches, "grad_norm": stats["grad_norm"] / args.minibatches}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -548,33 +574,39 @@ def demo_rollout(tokenizer, segments: list[tuple[str, int]]) -> Rollout:
     return r
 
 
-def cold_start_sft(model, tokenizer, prompts: list[list[int]], demos: list[Rollout], args: Args,
+def cold_start_sft(policy, tokenizer, prompts: list[list[int]], demos: list[Rollout], args: Args,
                    rng: random.Random) -> float:
     """SFT: token-mean NLL of the expert's tokens (result tokens masked), AdamW, `--cold-start-epochs`
-    passes in micro-batches of `--micro-batch-size`. Returns the last epoch's mean loss."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.cold_start_lr,
+    passes in micro-batches of `--micro-batch-size`. Returns the last epoch's mean loss.
+
+    Under torchrun every rank holds the same demonstrations in the same order (same seed) and takes its
+    share of each micro-batch (`dist.shard`); the NLL divides by the micro-batch's global token count, so an
+    optimizer step is the one a single process takes."""
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.cold_start_lr,
                                   weight_decay=args.weight_decay)
-    model.train()
+    policy.train()
     losses: list[float] = []
     for _ in range(args.cold_start_epochs):
         order = list(range(len(demos)))
         rng.shuffle(order)
         losses = []
         for i in range(0, len(order), args.micro_batch_size):
-            rows = order[i:i + args.micro_batch_size]
+            rows = dist.shard(order[i:i + args.micro_batch_size])
+            weight = 1.0 if rows else 0.0  # a rank left without a row: a zero-weight pass (DDP waits for it)
+            rows = rows or order[i:i + 1]
             demo = [copy.copy(demos[j]) for j in rows]
             for q, d in enumerate(demo):
                 d.question = q
             batch = build_batch([prompts[j] for j in rows], demo, [[1.0] * len(d.response_ids) for d in demo],
                                 pad_id=tokenizer.pad_token_id)
-            logp = sequence_logprobs(model, batch, list(range(len(rows))), 1.0)  # (b, t-1)
-            mask = batch["loss_mask"][:, :logp.shape[1]]
-            loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            logp = sequence_logprobs(policy, batch, list(range(len(rows))), 1.0)  # (b, t-1)
+            mask = batch["loss_mask"][:, :logp.shape[1]] * weight
+            loss = -(logp * mask).sum() / max(1.0, dist.all_reduce(mask.sum().item()))
+            (loss * dist.grad_scale()).backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(dist.all_reduce(loss.item()))
     return float(np.mean(losses)) if losses else float("nan")
 
 
@@ -586,7 +618,7 @@ def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[d
                     ) -> dict:
     dh = [d for r in rollouts for d in r.delta_h]
     calls = {tag: sum(r.tool_calls[tag] for r in rollouts) for tag in TOOL_TAGS}
-    out = {"reward_mean": float(np.mean(rewards)),
+    out = {"rollouts": len(rollouts), "reward_mean": float(np.mean(rewards)),
            "success_rate": float(np.mean([bool(i.get("won", False)) for i in infos])),
            "format_error_rate": float(np.mean([rw <= -1 for rw in rewards])),
            "num_tokens": sum(sum(r.policy_mask) for r in rollouts),
@@ -603,30 +635,48 @@ def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[d
     return out
 
 
+def gather_rollouts(rollouts: list[Rollout], rewards: list[float], infos: list[dict]
+                    ) -> tuple[list[Rollout], list[float], list[dict]]:
+    """Every rank's rollouts, rewards and outcomes, for the metrics of the whole step (rank 0 logs them)."""
+    parts = dist.all_gather_object((rollouts, rewards, [{"won": bool(i.get("won", False))} for i in infos]))
+    return ([r for p in parts for r in p[0]], [x for p in parts for x in p[1]],
+            [i for p in parts for i in p[2]])
+
+
 def evaluate(tasks: list, env, generator, tokenizer, args: Args, rng: random.Random) -> dict:
-    """Greedy, one rollout per held-out question (no forks)."""
-    prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
-    rollouts = rollout_questions(prompts, env, generator, tokenizer, args, rng, greedy=True)
-    rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
-    m = rollout_metrics(rollouts, rewards, infos, len(tasks))
-    return {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
-            "eval/format_error_rate": m["format_error_rate"],
-            "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
+    """Greedy, one rollout per held-out question (no forks). Under torchrun rank 0 evaluates and the
+    others wait for its result."""
+    result = None
+    if dist.is_main():
+        prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
+        rollouts = rollout_questions(prompts, env, generator, tokenizer, args, rng, greedy=True)
+        rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
+        m = rollout_metrics(rollouts, rewards, infos, len(tasks))
+        result = {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
+                  "eval/format_error_rate": m["format_error_rate"],
+                  "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
+    return dist.broadcast_object(result)
+
+
+def say(*text) -> None:
+    """print, on rank 0 only."""
+    if dist.is_main():
+        print(*text, flush=True)
 
 
 def report(stage: str, result: dict) -> dict:
-    print(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
-          f"reward {result['eval/reward_mean']:.3f}  format errors {result['eval/format_error_rate']:.2f}  "
-          f"tool calls {result['eval/tool_calls_per_question']:.2f}", flush=True)
+    say(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
+        f"reward {result['eval/reward_mean']:.3f}  format errors {result['eval/format_error_rate']:.2f}  "
+        f"tool calls {result['eval/tool_calls_per_question']:.2f}")
     return result
 
 
-def run_cold_start(model, tokenizer, env, train_tasks: list, args: Args, rng: random.Random) -> None:
+def run_cold_start(policy, tokenizer, env, train_tasks: list, args: Args, rng: random.Random) -> None:
     """Demonstrate `--cold-start-examples` training questions with the scripted expert, keep the correct
     ones that fit the response budget (the policy could never finish a longer one), and SFT on them."""
     t0 = time.time()
     if not hasattr(env, "execute_tool"):
-        print(f"[cold start] skipped: no scripted expert for the {args.env!r} environment")
+        say(f"[cold start] skipped: no scripted expert for the {args.env!r} environment")
         return
     prompts, demos = [], []
     for task in rng.sample(train_tasks, min(args.cold_start_examples, len(train_tasks))):
@@ -640,11 +690,11 @@ def run_cold_start(model, tokenizer, env, train_tasks: list, args: Args, rng: ra
             prompts.append(build_prompt(tokenizer, question, info))
             demos.append(demo)
     if not demos:
-        print("[cold start] skipped: the expert could not demonstrate any of these tasks")
+        say("[cold start] skipped: the expert could not demonstrate any of these tasks")
         return
-    loss = cold_start_sft(model, tokenizer, prompts, demos, args, rng)
-    print(f"[cold start] SFT on {len(demos)} expert demonstrations, {args.cold_start_epochs} epochs: "
-          f"last-epoch loss {loss:.3f} ({time.time() - t0:.0f}s)", flush=True)
+    loss = cold_start_sft(policy, tokenizer, prompts, demos, args, rng)
+    say(f"[cold start] SFT on {len(demos)} expert demonstrations, {args.cold_start_epochs} epochs: "
+        f"last-epoch loss {loss:.3f} ({time.time() - t0:.0f}s)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -670,6 +720,14 @@ def check_args(args: Args) -> None:
         sys.exit("error: --minibatches, --micro-batch-size and --tasks-per-step must be >= 1")
 
 
+def step_rng(seed: int, step: int) -> random.Random:
+    """The sampling randomness of one training step (rollout seeds, fork draws, mini-batch order): from the
+    rank's seed and the step alone, so ranks sample different rollouts and a resume, on any number of
+    ranks, continues exactly."""
+    return random.Random(f"{dist.rank_seed(seed)}:{step}")
+
+
+@dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     argv = sys.argv[1:] if argv is None else argv
@@ -677,13 +735,14 @@ def main(argv: list[str] | None = None) -> dict:
     check_args(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    random.seed(args.seed)
+    device = dist.init()
+    random.seed(args.seed)  # the plain seed: identical model init and cold start on every rank
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
+    if dist.is_main():
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
 
     try:
         # ARPO answers in one response; the toy game (tests only) is then played in one turn.
@@ -691,70 +750,81 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         sys.exit(f"error: {e}")
     try:
-        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank)
+        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank, device=device)
     except ValueError as e:  # model not found offline, bad name: one clear message
         sys.exit(f"error: {e}")
     ref_model = None
     if args.kl_coef > 0:  # reference policy for the optional KL term (the code runs with it off)
-        ref_model, _ = load_policy(args.model)
+        ref_model, _ = load_policy(args.model, device=device)
         ref_model.eval().requires_grad_(False)
     generator = make_generator(args.backend, model, tokenizer, resolve_model_path(args.model))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
+            and isinstance(generator, HFGenerator):
+        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
+        sys.exit("error: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights would "
+                 "deadlock); use --parallel ddp or --lora-rank > 0")
+    # training forward/backward through DDP (gradients averaged over ranks); generation uses `model`
+    policy = dist.wrap(model, args.parallel)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
     start_step = 0
     if args.resume:
-        state = load_checkpoint(args.out, model, optimizer)
+        state = load_checkpoint(args.out, model, optimizer)  # every rank reads it
         if state is not None:
             start_step = state["step"]
-            version, internal, gauss = state["extra"]["rng"]
-            rng.setstate((version, tuple(internal), gauss))
             generator.update_weights(model)
 
     train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
-    logger = MetricsLogger(args.out, args.steps, desc=f"arpo[{args.rollout}]", initial_step=start_step)
+    logger = MetricsLogger(args.out, args.steps, desc=f"arpo[{args.rollout}]", initial_step=start_step,
+                           enabled=dist.is_main())
+    eval_rng = random.Random(args.seed)  # greedy: only the (unused) sampling seeds come from it
     final: dict = {}
     t_eval = time.time()
     if start_step == 0:
-        first = report("base", evaluate(eval_tasks, env, generator, tokenizer, args, rng))
+        first = report("base", evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng))
         logger.log({"step": 0, **first})
         final["eval_before"], final["reward_before"] = first["eval/success_rate"], first["eval/reward_mean"]
     t_eval = time.time() - t_eval
     if start_step == 0 and args.cold_start:
-        run_cold_start(model, tokenizer, env, train_tasks, args, rng)
+        run_cold_start(policy, tokenizer, env, train_tasks, args, random.Random(args.seed))
         generator.update_weights(model)
-        cold = report("cold start", evaluate(eval_tasks, env, generator, tokenizer, args, rng))
+        cold = report("cold start", evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng))
         logger.log({"step": 0, **{k.replace("eval/", "eval_cold_start/"): v for k, v in cold.items()}})
         final["eval_cold_start"] = cold["eval/success_rate"]
         final["reward_cold_start"] = cold["eval/reward_mean"]
     step_times: list[float] = []
     for step in range(start_step + 1, args.steps + 1):
         t_step = time.time()
+        rng = step_rng(args.seed, step)
+        # the step's global question list, the same on every rank; each rank rolls out whole questions
         tasks = [train_tasks[((step - 1) * args.tasks_per_step + i) % len(train_tasks)]
                  for i in range(args.tasks_per_step)]
+        tasks = dist.shard(tasks)
         prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
         rollouts = rollout_questions(prompts, env, generator, tokenizer, args, rng)
         rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
-        advantages = batch_advantages(rollouts, rewards, args.attribution)
+        advantages = batch_advantages(rollouts, rewards, args.attribution)  # per question: rank-local
         batch = build_batch(prompts, rollouts, advantages, tokenizer.pad_token_id)
-        model.train()
-        update = ppo_update(model, ref_model, optimizer, batch, args, rng)
+        policy.train()
+        update = ppo_update(policy, ref_model, optimizer, batch, args, rng)
         generator.update_weights(model)  # the next rollouts sample from the new policy
-        line = {"step": step, **rollout_metrics(rollouts, rewards, infos, len(tasks)), **update,
-                "time_s": time.time() - t0}
+        metrics = rollout_metrics(*gather_rollouts(rollouts, rewards, infos), args.tasks_per_step)
+        line = {"step": step, **metrics, **update, "time_s": time.time() - t0}
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            line.update(evaluate(eval_tasks, env, generator, tokenizer, args, rng))
+            line.update(evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng))
         logger.log(line)
         final.update(line)
         step_times.append(time.time() - t_step)
         out_of_time = args.max_minutes > 0 and step < args.steps and (
             time.time() - t0 + np.mean(step_times) + t_eval > 60 * args.max_minutes)
+        out_of_time = bool(dist.all_reduce(int(out_of_time), "max"))  # every rank stops at the same step
         if step % args.save_every == 0 or step == args.steps or out_of_time:
-            save_checkpoint(args.out, step, model, optimizer, args, extra={"rng": rng.getstate()})
+            save_checkpoint(args.out, step, model, optimizer, args)  # every rank: rank 0 writes
         if out_of_time:  # --max-minutes: keep the promised wall-clock bound on a slow machine
-            print(f"stopping after step {step}: the next step would overrun --max-minutes {args.max_minutes}")
+            say(f"stopping after step {step}: the next step would overrun --max-minutes {args.max_minutes}")
             final["stopped_early_at_step"] = step
             break
-    last = evaluate(eval_tasks, env, generator, tokenizer, args, rng)
+    last = evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng)
     logger.log({"step": final.get("step", start_step), **last})
     logger.close()
     final.update(last)
@@ -762,8 +832,9 @@ def main(argv: list[str] | None = None) -> dict:
     final["eval_after"], final["reward_after"] = last["eval/success_rate"], last["eval/reward_mean"]
     stages = [(name, final[f"eval_{key}"], final[f"reward_{key}"]) for name, key in
               [("base", "before"), ("cold start", "cold_start"), ("rl", "after")] if f"eval_{key}" in final]
-    print(f"held-out ({len(eval_tasks)} questions, greedy) success / reward: "
-          + " -> ".join(f"{name} {sr:.3f} / {rw:.3f}" for name, sr, rw in stages))
+    say(f"held-out ({len(eval_tasks)} questions, greedy) success / reward: "
+        + " -> ".join(f"{name} {sr:.3f} / {rw:.3f}" for name, sr, rw in stages))
+    dist.cleanup()
     return final
 
 
