@@ -99,16 +99,19 @@ def _gib(n: float) -> str:
 
 
 def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: int, micro_batch: int,
-                backend: str, *, strategy: str = "auto", dtype: str = "bfloat16", gpu_gib: float = 80.0,
+                backend: str, *, strategy: str = "auto", dtype: str = "float32", vllm_dtype: str = "float32",
+                gradient_checkpointing: bool = False, gpu_gib: float = 80.0,
                 gpu_memory_utilization: float = 0.5, chunk_size: int = 512) -> dict:
     """Bytes per rank for each item (see the module docstring) and `lines`, the arithmetic as text.
 
-    dtype: what the model is loaded in (the scripts' --dtype). backend "auto" counts as vLLM (what auto
-    picks on a GPU). chunk_size: tokens per vocabulary-projection chunk (common.logprobs)."""
+    The defaults are what the scripts do today: weights loaded in float32 (load_policy's default; loop's
+    --dtype), the vLLM engine in float32 (VLLMGenerator's default), no gradient checkpointing, vLLM's share
+    0.5 of the card. backend "auto" counts as vLLM (what auto picks on a GPU). chunk_size: tokens per
+    vocabulary-projection chunk (common.logprobs)."""
     if world_size < 1 or micro_batch < 1 or max_seq_len < 1:
         raise ValueError("world_size, micro_batch and max_seq_len must be >= 1")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; use {sorted(DTYPE_BYTES)}")
+    if dtype not in DTYPE_BYTES or vllm_dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} or {vllm_dtype!r}; use {sorted(DTYPE_BYTES)}")
     shape = model_shape(model_name)
     n = param_counts(shape, lora_rank)
     L, h, i = shape["num_hidden_layers"], shape["hidden_size"], shape["intermediate_size"]
@@ -143,11 +146,14 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     gathered = 0
     if strategy == "fsdp2":  # one layer in use + one prefetched, and the root (embedding, lm_head) in bf16
         gathered = (2 * n["layer"] + n["embed"] + n["lm_head"]) * 2
-    checkpoints = L * micro_batch * max_seq_len * h * a  # each layer's input, kept for the backward
-    # one layer recomputed in full during backward: 2 norm inputs + 2 norm outputs (4h), q and the attention
-    # output (2q), k and v (2kv), gate, up, silu(gate), gate*up (4i) per token
+    # a layer's activations saved for backward, per token: 2 norm inputs + 2 norm outputs (4h), q and the
+    # attention output (2q), k and v (2kv), gate, up, silu(gate), gate*up (4i)
     layer_elems = 4 * h + 2 * n["q_width"] + 2 * n["kv_width"] + 4 * i
     one_layer = micro_batch * max_seq_len * layer_elems * a
+    if gradient_checkpointing:  # each layer's input kept; one layer recomputed in full during backward
+        checkpoints = L * micro_batch * max_seq_len * h * a
+    else:  # every layer's activations kept
+        checkpoints, one_layer = (L - 1) * one_layer, one_layer
     logits = 3 * chunk_size * V * 4  # fp32 logits, log-softmax, their gradient, for one chunk
     train = weights + grads + adam + buckets + gathered + checkpoints + one_layer + logits
     fmt = f"/{shard}" if shard > 1 else ""
@@ -162,11 +168,15 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     if gathered:
         lines.append(f"FSDP2 gathered (2 layers + embed/lm_head, bf16) (2*{n['layer']:,} + {n['embed']:,} + "
                      f"{n['lm_head']:,})*2 = {_gib(gathered)}")
+    if gradient_checkpointing:
+        lines += [f"activations (grad. checkpointing) {L} layers*{micro_batch} seqs*{max_seq_len} tok*{h}"
+                  f"*{a} = {_gib(checkpoints)}",
+                  f"  + one layer recomputed {micro_batch}*{max_seq_len}*{layer_elems:,} (4h+2q+2kv+4i)"
+                  f"*{a} = {_gib(one_layer)}"]
+    else:
+        lines.append(f"activations (no grad. checkpointing) {L} layers*{micro_batch} seqs*{max_seq_len} tok*"
+                     f"{layer_elems:,} (4h+2q+2kv+4i)*{a} = {_gib(checkpoints + one_layer)}")
     lines += [
-        f"activations (grad. checkpointing) {L} layers*{micro_batch} seqs*{max_seq_len} tok*{h}*{a} = "
-        f"{_gib(checkpoints)}",
-        f"  + one layer recomputed {micro_batch}*{max_seq_len}*{layer_elems:,} (4h+2q+2kv+4i)*{a} = "
-        f"{_gib(one_layer)}",
         f"logits chunk 3*{chunk_size} tok*{V}*4 = {_gib(logits)}",
         f"TRAINING PEAK per rank = {_gib(train)}",
     ]
@@ -182,12 +192,12 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     resident = weights + adam  # what stays on the GPU while vLLM rolls out (gradients set to None)
     if vllm:
         share = gpu_memory_utilization * gpu_gib * GiB
-        engine_weights = P * 2
+        engine_weights = P * DTYPE_BYTES[vllm_dtype]
         kv_cache = max(0.0, share - engine_weights)
         rollout = resident + share
         lines += [
-            f"vLLM share {gpu_memory_utilization}*{gpu_gib:g} GiB = {_gib(share)}: its bf16 weights "
-            f"{P:,}*2 = {_gib(engine_weights)}, KV cache {_gib(kv_cache)} = "
+            f"vLLM share {gpu_memory_utilization}*{gpu_gib:g} GiB = {_gib(share)}: its {vllm_dtype} weights "
+            f"{P:,}*{DTYPE_BYTES[vllm_dtype]} = {_gib(engine_weights)}, KV cache {_gib(kv_cache)} = "
             f"{int(kv_cache // kv_token):,} tokens = {kv_cache / kv_token / max_seq_len:.1f} sequences of "
             f"{max_seq_len}",
             f"ROLLOUT PEAK per rank = weights + AdamW (resident) + vLLM share = {_gib(rollout)}",
@@ -202,7 +212,8 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
         out.update(rollout_peak=rollout)
     peak = max(train, rollout)
     fits = peak <= 0.9 * gpu_gib * GiB
-    advice = "use more ranks (FSDP2), --lora-rank, a smaller micro-batch or shorter sequences"
+    advice = ("use more ranks (FSDP2), --lora-rank, bf16, gradient checkpointing, a smaller micro-batch, "
+              "shorter sequences or a smaller vLLM share")
     lines.append(f"PEAK {_gib(peak)} of {gpu_gib:g} GiB: "
                  + ("fits (with 10% kept free)" if fits else f"does NOT fit: {advice}"))
     out.update(peak=peak, fits=fits, lines=lines)
@@ -226,9 +237,12 @@ if __name__ == "__main__":
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--backend", default="vllm")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--vllm-dtype", default="float32")
+    p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--gpu-gib", type=float, default=80.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     a = p.parse_args()
     print_plan(a.model, a.world_size, a.lora_rank, a.max_seq_len, a.micro_batch, a.backend, dtype=a.dtype,
-               gpu_gib=a.gpu_gib, gpu_memory_utilization=a.gpu_memory_utilization)
+               vllm_dtype=a.vllm_dtype, gradient_checkpointing=a.gradient_checkpointing, gpu_gib=a.gpu_gib,
+               gpu_memory_utilization=a.gpu_memory_utilization)

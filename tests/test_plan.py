@@ -41,8 +41,8 @@ def test_lora_count_matches_peft_on_the_tiny_model():
 
 
 def test_full_fine_tune_of_qwen3_4b_on_8_ranks_by_hand():
-    plan = memory_plan("Qwen/Qwen3-4B", 8, 0, 8192, 1, "vllm", dtype="bfloat16", gpu_gib=80,
-                       gpu_memory_utilization=0.5)
+    plan = memory_plan("Qwen/Qwen3-4B", 8, 0, 8192, 1, "vllm", dtype="bfloat16", vllm_dtype="bfloat16",
+                       gradient_checkpointing=True, gpu_gib=80, gpu_memory_utilization=0.5)
     P = P_QWEN3_4B
     assert plan["strategy"] == "fsdp2"  # 4.0 B trainable > 1 B
     assert plan["weights"] == P * 2 / 8 and plan["grads"] == P * 2 / 8 and plan["adam"] == 2 * P * 2 / 8
@@ -62,6 +62,18 @@ def test_full_fine_tune_of_qwen3_4b_on_8_ranks_by_hand():
     assert plan["fits"]
 
 
+def test_qwen3_4b_as_the_scripts_load_it_today():
+    """float32 weights (FSDP2 computes in bf16, keeps fp32 master weights, gradients and AdamW states: 16
+    bytes per parameter, sharded), no gradient checkpointing, a float32 vLLM engine."""
+    plan = memory_plan("Qwen/Qwen3-4B", 8, 0, 4096, 8, "vllm")
+    P = P_QWEN3_4B
+    assert plan["weights"] + plan["grads"] + plan["adam"] == P * 16 / 8
+    one_layer = 8 * 4096 * (4 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728) * 2  # bf16 activations of a layer
+    assert plan["activations"] == 36 * one_layer  # 36 layers kept: 130.5 GiB
+    assert plan["kv_cache"] == 40 * GiB - P * 4  # a float32 engine
+    assert not plan["fits"]
+
+
 def test_lora_qwen3_8b_is_ddp_with_a_full_replica():
     plan = memory_plan("Qwen/Qwen3-8B", 8, 16, 4096, 2, "vllm")
     layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
@@ -69,7 +81,9 @@ def test_lora_qwen3_8b_is_ddp_with_a_full_replica():
     T = 16 * 36 * ((4096 + 4096) * 2 + 2 * (4096 + 1024) + 3 * (4096 + 12288))  # LoRA, fp32
     assert (plan["params"], plan["trainable"]) == (P, T) == (8_190_735_360, 43_646_976)
     assert plan["strategy"] == "ddp"
-    assert plan["weights"] == P * 2 + T * 4
+    assert plan["weights"] == P * 4 + T * 4  # float32 base (the default) + fp32 adapter
+    # no gradient checkpointing, float32 activations under DDP: every layer's (4h+2q+2kv+4i) per token
+    assert plan["activations"] == 36 * 2 * 4096 * (4 * 4096 + 2 * 4096 + 2 * 1024 + 4 * 12288) * 4
     assert plan["grads"] == plan["ddp_buckets"] == T * 4 and plan["adam"] == 2 * T * 4
     assert plan["fsdp_gathered"] == 0
 
