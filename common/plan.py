@@ -100,14 +100,15 @@ def _gib(n: float) -> str:
 
 def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: int, micro_batch: int,
                 backend: str, *, strategy: str = "auto", dtype: str = "float32", vllm_dtype: str = "float32",
-                gradient_checkpointing: bool = False, gpu_gib: float = 80.0,
+                gradient_checkpointing: bool = False, vllm_sleeps: bool = False, gpu_gib: float = 80.0,
                 gpu_memory_utilization: float = 0.5, chunk_size: int = 512) -> dict:
     """Bytes per rank for each item (see the module docstring) and `lines`, the arithmetic as text.
 
     The defaults are what the scripts do today: weights loaded in float32 (load_policy's default; loop's
     --dtype), the vLLM engine in float32 (VLLMGenerator's default), no gradient checkpointing, vLLM's share
-    0.5 of the card. backend "auto" counts as vLLM (what auto picks on a GPU). chunk_size: tokens per
-    vocabulary-projection chunk (common.logprobs)."""
+    0.5 of the card, and the engine kept awake during training (no script calls generator.sleep() yet;
+    vllm_sleeps=True counts it as freed). backend "auto" counts as vLLM (what auto picks on a GPU).
+    chunk_size: tokens per vocabulary-projection chunk (common.logprobs)."""
     if world_size < 1 or micro_batch < 1 or max_seq_len < 1:
         raise ValueError("world_size, micro_batch and max_seq_len must be >= 1")
     if dtype not in DTYPE_BYTES or vllm_dtype not in DTYPE_BYTES:
@@ -195,14 +196,18 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
         engine_weights = P * DTYPE_BYTES[vllm_dtype]
         kv_cache = max(0.0, share - engine_weights)
         rollout = resident + share
+        if not vllm_sleeps:  # the engine keeps its share while the policy trains
+            train += share
         lines += [
             f"vLLM share {gpu_memory_utilization}*{gpu_gib:g} GiB = {_gib(share)}: its {vllm_dtype} weights "
             f"{P:,}*{DTYPE_BYTES[vllm_dtype]} = {_gib(engine_weights)}, KV cache {_gib(kv_cache)} = "
             f"{int(kv_cache // kv_token):,} tokens = {kv_cache / kv_token / max_seq_len:.1f} sequences of "
             f"{max_seq_len}",
             f"ROLLOUT PEAK per rank = weights + AdamW (resident) + vLLM share = {_gib(rollout)}",
-            "(training runs with vLLM asleep: its weights go to host memory, its KV cache is freed)",
+            "training with vLLM asleep (weights to host memory, KV cache freed): TRAINING PEAK as above"
+            if vllm_sleeps else f"vLLM stays awake while training: TRAINING PEAK + its share = {_gib(train)}",
         ]
+        out["train_peak"] = train
         out.update(vllm_share=share, kv_cache=kv_cache, kv_tokens=int(kv_cache // kv_token),
                    rollout_peak=rollout)
     else:
@@ -240,9 +245,11 @@ if __name__ == "__main__":
     p.add_argument("--dtype", default="float32")
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--vllm-sleeps", action="store_true")
     p.add_argument("--gpu-gib", type=float, default=80.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     a = p.parse_args()
     print_plan(a.model, a.world_size, a.lora_rank, a.max_seq_len, a.micro_batch, a.backend, dtype=a.dtype,
-               vllm_dtype=a.vllm_dtype, gradient_checkpointing=a.gradient_checkpointing, gpu_gib=a.gpu_gib,
+               vllm_dtype=a.vllm_dtype, gradient_checkpointing=a.gradient_checkpointing,
+               vllm_sleeps=a.vllm_sleeps, gpu_gib=a.gpu_gib,
                gpu_memory_utilization=a.gpu_memory_utilization)

@@ -42,7 +42,7 @@ def test_lora_count_matches_peft_on_the_tiny_model():
 
 def test_full_fine_tune_of_qwen3_4b_on_8_ranks_by_hand():
     plan = memory_plan("Qwen/Qwen3-4B", 8, 0, 8192, 1, "vllm", dtype="bfloat16", vllm_dtype="bfloat16",
-                       gradient_checkpointing=True, gpu_gib=80, gpu_memory_utilization=0.5)
+                       gradient_checkpointing=True, vllm_sleeps=True, gpu_gib=80, gpu_memory_utilization=0.5)
     P = P_QWEN3_4B
     assert plan["strategy"] == "fsdp2"  # 4.0 B trainable > 1 B
     assert plan["weights"] == P * 2 / 8 and plan["grads"] == P * 2 / 8 and plan["adam"] == 2 * P * 2 / 8
@@ -71,6 +71,9 @@ def test_qwen3_4b_as_the_scripts_load_it_today():
     one_layer = 8 * 4096 * (4 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728) * 2  # bf16 activations of a layer
     assert plan["activations"] == 36 * one_layer  # 36 layers kept: 130.5 GiB
     assert plan["kv_cache"] == 40 * GiB - P * 4  # a float32 engine
+    # the engine is not put to sleep: its 40 GiB share stays during training
+    train = P * 16 / 8 + (2 * 100_930_816 + 151936 * 2560) * 2 + 36 * one_layer + 3 * 512 * 151936 * 4
+    assert plan["train_peak"] == pytest.approx(train + 40 * GiB)
     assert not plan["fits"]
 
 
