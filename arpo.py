@@ -28,6 +28,7 @@ differ by one flag at the same rollout budget.
     python arpo.py                       # SmolLM2-135M on the offline `tools` tasks, CPU, ~15 min
     python arpo.py --rollout global      # the GRPO baseline
     python arpo.py --preset paper        # the paper's rollout settings (M=16, N=8, k=20, ...)
+    python arpo.py --max-new-tokens 256  # look-up (search) demonstrations fit too: slower
     python arpo.py --env toy --model tiny-random --steps 10   # seconds: plumbing check
     torchrun --nproc-per-node 8 arpo.py --backend vllm --model <SFT'd model>   # questions sharded over ranks
 
@@ -95,8 +96,9 @@ class Args:
     kl_coef: float = field(default=0.0, metadata={"help": "KL(pi || ref) penalty (k3); 0 = off (code)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (code: 1.0)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (code: 1.0)"})
-    max_new_tokens: int = field(default=192, metadata={"help": "response budget per rollout, <result> "
-                                                                "tokens included (code: 4096)"})
+    max_new_tokens: int = field(default=192, metadata={
+        "help": "response budget per rollout, <result> tokens included (code: 4096); the cold start "
+                "demonstrates look-ups only from 256 up"})
     max_turns: int = field(default=0, metadata={"help": "unused: ARPO writes one response per question; "
                                                         "--max-tool-calls bounds its tool turns"})
     eval_every: int = field(default=0, metadata={"help": "greedy held-out eval every N steps (0: start/end)"})
