@@ -183,12 +183,13 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     ]
 
     vllm = backend in ("vllm", "auto")
-    kv_token = 2 * L * kv_heads * hd * 2  # K and V, every layer, bf16
+    kv_b = DTYPE_BYTES[vllm_dtype] if vllm else a  # vLLM's cache has the engine's dtype; HF the model's
+    kv_token = 2 * L * kv_heads * hd * kv_b  # K and V, every layer
     out = {"model": model_name, "strategy": strategy, "world_size": world_size, "params": P, "trainable": T,
            "weights": weights, "grads": grads, "adam": adam, "ddp_buckets": buckets,
            "fsdp_gathered": gathered, "activations": checkpoints + one_layer, "logits": logits,
            "train_peak": train, "kv_bytes_per_token": kv_token}
-    lines.append(f"KV cache per token 2*{L} layers*{kv_heads} kv heads*{hd}*2 B = {kv_token:,} B "
+    lines.append(f"KV cache per token 2*{L} layers*{kv_heads} kv heads*{hd}*{kv_b} B = {kv_token:,} B "
                  f"({kv_token * max_seq_len / GiB:.2f} GiB per {max_seq_len}-token sequence)")
     resident = weights + adam  # what stays on the GPU while vLLM rolls out (gradients set to None)
     if vllm:
@@ -211,7 +212,7 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
         out.update(vllm_share=share, kv_cache=kv_cache, kv_tokens=int(kv_cache // kv_token),
                    rollout_peak=rollout)
     else:
-        rollout = resident + micro_batch * max_seq_len * 2 * L * kv_heads * hd * a
+        rollout = resident + micro_batch * max_seq_len * kv_token
         lines.append(f"ROLLOUT PEAK per rank (HF, {micro_batch} rows of {max_seq_len}) = weights + AdamW "
                      f"+ KV = {_gib(rollout)}")
         out.update(rollout_peak=rollout)

@@ -70,7 +70,8 @@ def test_qwen3_4b_as_the_scripts_load_it_today():
     assert plan["weights"] + plan["grads"] + plan["adam"] == P * 16 / 8
     one_layer = 8 * 4096 * (4 * 2560 + 2 * 4096 + 2 * 1024 + 4 * 9728) * 2  # bf16 activations of a layer
     assert plan["activations"] == 36 * one_layer  # 36 layers kept: 130.5 GiB
-    assert plan["kv_cache"] == 40 * GiB - P * 4  # a float32 engine
+    assert plan["kv_cache"] == 40 * GiB - P * 4  # a float32 engine, with a float32 KV cache
+    assert plan["kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 4
     # the engine is not put to sleep: its 40 GiB share stays during training
     train = P * 16 / 8 + (2 * 100_930_816 + 151936 * 2560) * 2 + 36 * one_layer + 3 * 512 * 151936 * 4
     assert plan["train_peak"] == pytest.approx(train + 40 * GiB)
