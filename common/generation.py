@@ -336,12 +336,13 @@ class VLLMGenerator:
     def update_weights(self, model) -> None:
         """Load the policy's current weights (LoRA merged, base-model names) into the running engine in
         place via vLLM's RL reload (`reload_weights`, which re-runs its weight post-processing such as
-        CPU repacking), then drop the prefix cache, whose KV entries came from the old weights."""
-        from common.models import merged_state_dict
+        CPU repacking), then drop the prefix cache, whose KV entries came from the old weights.
+        An FSDP2-sharded policy is gathered one parameter at a time as vLLM consumes the iterator (a
+        collective: every rank updates its engine at the same point)."""
+        from common.dist import full_weights
 
         self.wake_up()  # the weights must be back on the GPU before they are overwritten
-        weights = merged_state_dict(model)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model)})
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
