@@ -359,3 +359,40 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
     train = [line for line in lines if "reward_mean" in line]
     assert [line["step"] for line in train] == [1, 2, 3]
     assert "eval/success_rate" in summary["rl"]
+
+
+@pytest.mark.slow
+def test_torchrun_script_end_to_end_then_resume_on_one_rank(tmp_path):
+    """`torchrun --nproc-per-node 2 t2po.py` on the tiny model: 3 groups sharded 2 + 1, rank 0 alone writes
+    metrics.jsonl; the rollouts are keyed on global episode ids, so step 1's rollout metrics equal those of
+    one process with the same flags; the 2-rank checkpoint then resumes in one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = ["--env", "toy", "--model", "tiny-random", "--no-rft", "--group-size", "2",
+            "--tasks-per-step", "3",
+            "--max-turns", "2", "--max-new-tokens", "12", "--tti-chunk", "8", "--tti-min-think", "4",
+            "--lr", "1e-3", "--eval-tasks", "2", "--reward", "env", "--save-every", "1", "--steps", "2"]
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(root, "t2po.py"), *argv, "--out", multi]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t2po.main(argv + ["--threads", "1", "--out", single])  # meanwhile, the same run in one process
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+
+    def train_lines(out):
+        return [line for line in map(json.loads, open(f"{out}/metrics.jsonl")) if "reward_mean" in line]
+
+    two, one = train_lines(multi), train_lines(single)
+    assert [line["step"] for line in two] == [1, 2]  # logged once (rank 0), not once per rank
+    for key in ("reward_mean", "score", "tokens_per_turn", "tds_resamples", "num_tokens"):
+        assert two[0][key] == pytest.approx(one[0][key], abs=1e-9), key
+    assert two[0]["turns_per_episode"] == 2.0 and two[0]["num_tokens"] == one[0]["num_tokens"] > 0
+    summary = t2po.main(argv[:-2] + ["--steps", "3", "--resume", "--threads", "1", "--out", multi])
+    assert [line["step"] for line in train_lines(multi)] == [1, 2, 3]  # 2 ranks wrote it, 1 resumed
+    assert "eval/success_rate" in summary["rl"]
