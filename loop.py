@@ -30,10 +30,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
-import torch.utils.checkpoint
 
 from common import checkpoint, cli, dist, logprobs, metrics, models
-from common.generation import eos_token_ids, make_generator
+from common.generation import HFGenerator, eos_token_ids, make_generator
 from envs.base import EnvPool, make_env
 
 
@@ -78,7 +77,14 @@ class Args:
     out: str = opt("runs/loop", "run folder: args.json, metrics.jsonl, checkpoints/")
     resume: bool = opt(False, "continue from the last checkpoint in --out")
     save_every: int = opt(1, "checkpoint every N iterations")
+    cold_start_episodes: int = opt(8, "SFT on this many scripted-expert episodes before RL where the env "
+                                   "has an expert (ours, not the paper's: a 135M model never acts validly "
+                                   "zero-shot); 0 = off")
+    cold_start_epochs: int = opt(1, "SFT passes over the expert episodes")
+    cold_start_lr: float = opt(1e-4, "SFT learning rate (AdamW)")
     seed: int = opt(0, "everything is reproducible from it")
+    parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
+        "auto", "torchrun: auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params")
 
 
 # Per-environment settings, applied to every field not given explicitly on the command line.
@@ -189,7 +195,8 @@ def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch
 @dataclass
 class Rollout:
     task: object
-    group: int
+    group: int  # index of its task in the iteration's global task list (the same on every rank)
+    sample: int = 0  # which of the group's K rollouts; (group, sample) names a rollout on any rank
     ids: list[int] = field(default_factory=list)  # the whole interaction
     action_mask: list[bool] = field(default_factory=list)  # True where the model generated the token
     turn_ids: list[int] = field(default_factory=list)  # agent turn of each generated token, -1 elsewhere
@@ -233,23 +240,39 @@ def with_actions(obs: str, info: dict) -> str:
     return f"{obs}\nAvailable actions: {', '.join(actions)}" if actions else obs
 
 
+def turn_pieces(tokenizer, eos_ids: set[int]) -> dict[str, list[int]]:
+    """Token ids of the chat template's glue between turns (see chat_pieces)."""
+    assistant_end, user_prefix, user_suffix = chat_pieces(tokenizer)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    end_ids = encode(assistant_end)
+    # The end-of-turn token is an action when the model emitted it: known only if it is the one EOS id
+    trained_end = end_ids[:1] if len(eos_ids) == 1 and end_ids[:1] == list(eos_ids) else []
+    return {"end": end_ids, "trained_end": trained_end, "prefix": encode(user_prefix),
+            "suffix": encode(user_suffix)}
+
+
+def first_prompt_ids(tokenizer, obs: str, info: dict) -> list[int]:
+    """System prompt and the task's first observation (with the instruction if the observation lacks it)."""
+    instruction = info.get("instruction", "")
+    first = obs if not instruction or instruction in obs else f"{instruction}\n\n{obs}"
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": with_actions(first, info)}]
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def env_reply_ids(tokenizer, pieces: dict, obs: str, info: dict, max_env_tokens: int) -> list[int]:
+    """The environment's reply as a user turn, cut to max_env_tokens (environment output truncation)."""
+    reply = tokenizer(with_actions(obs, info), add_special_tokens=False)["input_ids"][:max_env_tokens]
+    return pieces["prefix"] + reply + pieces["suffix"]
+
+
 def collect_rollouts(generator, pool: EnvPool, tokenizer, tasks: list, group_size: int, args: Args, *,
                      temperature: float, max_turns: int, seed: int, eos_ids: set[int]) -> list[Rollout]:
     """Play len(tasks) x group_size episodes in lock-step, one growing token sequence each."""
-    assistant_end, user_prefix, user_suffix = chat_pieces(tokenizer)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    end_ids, prefix_ids, suffix_ids = encode(assistant_end), encode(user_prefix), encode(user_suffix)
-    # The end-of-turn token is an action when the model emitted it: known only if it is the one EOS id
-    trained_end = end_ids[:1] if len(eos_ids) == 1 and end_ids[:1] == list(eos_ids) else []
-
-    episodes = [Rollout(task=t, group=g) for g, t in enumerate(tasks) for _ in range(group_size)]
+    pieces = turn_pieces(tokenizer, eos_ids)
+    episodes = [Rollout(task=t, group=g, sample=k) for g, t in enumerate(tasks) for k in range(group_size)]
     for ep, (obs, info) in zip(episodes, pool.reset([ep.task for ep in episodes]), strict=True):
-        instruction = info.get("instruction", "")
-        first = obs if not instruction or instruction in obs else f"{instruction}\n\n{obs}"
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": with_actions(first, info)}]
-        ep.add(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False), generated=False)
+        ep.add(first_prompt_ids(tokenizer, obs, info), generated=False)
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
         if not live:
@@ -262,9 +285,9 @@ def collect_rollouts(generator, pool: EnvPool, tokenizer, tasks: list, group_siz
             ep.add(list(s.token_ids), generated=True, turn=turn)
             # Old log-probs are recomputed, so the model's own EOS is trained like any other token
             # (the agent learns when to stop); a turn cut by the token limit is closed as context.
-            closed = trained_end if s.finish_reason == "eos" else []
+            closed = pieces["trained_end"] if s.finish_reason == "eos" else []
             ep.add(closed, generated=True, turn=turn)
-            ep.add(end_ids[len(closed):], generated=False)
+            ep.add(pieces["end"][len(closed):], generated=False)
             ep.turns = turn + 1
             actions[i] = tokenizer.decode(s.token_ids, skip_special_tokens=True)  # the env parses it
             ep.actions.append(actions[i])
@@ -277,8 +300,7 @@ def collect_rollouts(generator, pool: EnvPool, tokenizer, tasks: list, group_siz
             ep.won = bool(info.get("won", False))
             ep.done = done or turn == max_turns - 1
             if not ep.done:  # the environment's reply is context, never trained
-                reply = encode(with_actions(obs, info))[: args.max_env_tokens]  # env output truncation
-                ep.add(prefix_ids + reply + suffix_ids, generated=False)
+                ep.add(env_reply_ids(tokenizer, pieces, obs, info, args.max_env_tokens), generated=False)
                 if len(ep.ids) + args.max_new_tokens > args.max_seq_len:
                     ep.done = ep.truncated = True
     return episodes
@@ -302,42 +324,48 @@ def pad_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch
     return {k: v.to(device) for k, v in out.items()}
 
 
-def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return head(hidden).float().log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # (n,)
+def action_logprobs(model, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere. The vocabulary projection runs
+    only on action tokens: with long observations and a small model it is most of the cost."""
+    return logprobs.token_logprobs(model, b["input_ids"], b["attention_mask"], target_mask=b["action_mask"],
+                                   chunk_size=1024)
 
 
-def action_logprobs(model, b: dict[str, torch.Tensor], chunk_size: int = 1024) -> torch.Tensor:
-    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere.
-
-    The numbers of logprobs.token_logprobs, but the vocabulary projection runs only on action tokens:
-    with long observations and a small model it is most of the cost. Chunked and checkpointed so at
-    most (chunk_size, V) logits exist at once, in forward and in backward.
-    """
-    hidden = logprobs.final_hidden_states(model, b["input_ids"], b["attention_mask"])[:, :-1]  # (N, T-1, H)
-    mask = b["action_mask"]
-    hidden, targets = hidden[mask], b["input_ids"][:, 1:][mask]  # (A, H), (A,)
-    head = models.unwrap(model).get_output_embeddings()
-    parts = []
-    for i in range(0, targets.shape[0], chunk_size):
-        chunk = (head, hidden[i: i + chunk_size], targets[i: i + chunk_size])
-        # checkpoint: backward recomputes this chunk's logits instead of keeping every chunk's alive
-        parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *chunk, use_reentrant=False)
-                     if torch.is_grad_enabled() else head_logprobs(*chunk))
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # (N, T-1)
-    return out.masked_scatter(mask, torch.cat(parts)) if parts else out
+def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Two tokens, one of them an "action": input for a zero-weight pass on a rank with nothing to do."""
+    r = Rollout(task=None, group=-1, ids=[pad_id, pad_id], action_mask=[False, True], turn_ids=[-1, 0],
+                old_logp=[0.0], ref_logp=[0.0])
+    return pad_batch([r], pad_id, device)
 
 
 @torch.no_grad()
 def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, key: str) -> None:
-    """pi_old(x_t | x_<t) under the training model (the sampler's numbers are not used for the ratio)."""
-    for i in range(0, len(rollouts), micro):
-        chunk = rollouts[i: i + micro]
-        lp = action_logprobs(model, pad_batch(chunk, pad_id, model.device))  # (n, T-1)
-        for r, row in zip(chunk, lp, strict=True):
+    """pi_old(x_t | x_<t) under the training model (the sampler's numbers are not used for the ratio).
+    Every rank runs the same number of forward passes (a sharded model's forward is a collective)."""
+    chunks = [rollouts[i: i + micro] for i in range(0, len(rollouts), micro)]
+    for c in range(dist.all_reduce(len(chunks), "max")):
+        if c >= len(chunks):
+            action_logprobs(model, dummy_batch(pad_id, model.device))
+            continue
+        lp = action_logprobs(model, pad_batch(chunks[c], pad_id, model.device))  # (n, T-1)
+        for r, row in zip(chunks[c], lp, strict=True):
             setattr(r, key, row[: len(r.ids) - 1].tolist())
 
 
 # ---------------------------------------------------------------- update: epochs of minibatches
+def group_advantages(rollouts: list[Rollout], std_normalize: bool) -> list[float]:
+    """Leave-one-out advantage of each rollout within its task's group (groups never span ranks)."""
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.group, []).append(i)
+    adv = [0.0] * len(rollouts)
+    for idx in groups.values():
+        for i, a in zip(idx, leave_one_out_advantages([rollouts[i].reward for i in idx], std_normalize),
+                        strict=True):
+            adv[i] = a
+    return adv
+
+
 def merge_stats(acc: dict, st: dict) -> dict:
     """Sum the counters of loop_loss's stats; keep the extremes of the ratio."""
     for k, v in st.items():
@@ -346,52 +374,135 @@ def merge_stats(acc: dict, st: dict) -> dict:
     return acc
 
 
-def loop_update(model, optimizer, rollouts: list[Rollout], advantages: list[float], args: Args,
+# loop_loss's counters before any micro-batch: every rank reduces the same keys, even one with no rollouts
+EMPTY_STATS = {"clipped": 0.0, "units": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "k1_sum": 0.0, "k3_sum": 0.0,
+               "rollouts": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf}
+
+
+def global_stats(st: dict) -> dict:
+    """loop_loss's counters summed over ranks, the ratio's extremes reduced."""
+    sums = [k for k in EMPTY_STATS if k not in ("ratio_min", "ratio_max")]
+    total = dist.all_reduce(torch.tensor([st[k] for k in sums], dtype=torch.float64))
+    return {**dict(zip(sums, total.tolist(), strict=True)),
+            "ratio_min": dist.all_reduce(st["ratio_min"], "min"),
+            "ratio_max": dist.all_reduce(st["ratio_max"], "max")}
+
+
+def loop_update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], args: Args,
                 gen: torch.Generator, pad_id: int) -> dict:
-    """Epochs of reshuffled minibatches; abandon the iteration if the KL estimate explodes."""
-    totals: dict[str, float] = {}
+    """Epochs of reshuffled minibatches over the GLOBAL batch; abandon the iteration if the KL estimate
+    explodes.
+
+    Under torchrun each rank holds its own rollouts. All ranks shuffle the same global list (ordered by
+    (group, sample), so the order does not depend on how groups were dealt out), take the same minibatch
+    of `--minibatch-size` rollouts and each computes the part it owns. The loss keeps the constant
+    divisor (the global minibatch size) and is multiplied by dist.grad_scale(), since DDP averages
+    gradients over ranks: one optimizer step is the same update on 1, 2 or 8 ranks.
+    """
+    device = next(policy.parameters()).device
+    mine = {(r.group, r.sample): i for i, r in enumerate(rollouts)}
+    everyone = sorted(k for keys in dist.all_gather_object(list(mine)) for k in keys)  # the global batch
+    totals = dict(EMPTY_STATS)
     losses, grad_norms, abandoned = [], [], False
     for _ in range(args.epochs):
-        order = torch.randperm(len(rollouts), generator=gen).tolist()
+        order = torch.randperm(len(everyone), generator=gen).tolist()
         for start in range(0, len(order), args.minibatch_size):
-            mb = order[start: start + args.minibatch_size]
-            mb_stats: dict[str, float] = {}
-            mb_loss = 0.0
-            for m in range(0, len(mb), args.micro_batch_size):
-                idx = mb[m: m + args.micro_batch_size]
-                b = pad_batch([rollouts[i] for i in idx], pad_id, model.device)
-                new_logp = action_logprobs(model, b)  # (n, T-1)
-                adv = torch.tensor([advantages[i] for i in idx], device=model.device)  # (n,)
+            mb = [mine[everyone[j]] for j in order[start: start + args.minibatch_size] if everyone[j] in mine]
+            micro = [mb[m: m + args.micro_batch_size] for m in range(0, len(mb), args.micro_batch_size)]
+            mb_stats, mb_loss = dict(EMPTY_STATS), 0.0
+            # DDP all-reduces gradients at every backward: every rank runs the same number of them
+            for m in range(dist.all_reduce(len(micro), "max")):
+                if m >= len(micro):  # zero-weight pass
+                    (action_logprobs(policy, dummy_batch(pad_id, device)).sum() * 0.0).backward()
+                    continue
+                b = pad_batch([rollouts[i] for i in micro[m]], pad_id, device)
+                new_logp = action_logprobs(policy, b)  # (n, T-1)
+                adv = torch.tensor([advantages[i] for i in micro[m]], device=device)  # (n,)
                 loss, st = loop_loss(new_logp, b["old_logp"], b["action_mask"], adv, b["turn_ids"],
                                      clip_eps=args.clip_eps, minibatch_size=args.minibatch_size,
                                      level=args.importance_weight, ref_logp=b.get("ref_logp"),
                                      kl_coef=args.kl_coef)
-                loss.backward()
+                (loss * dist.grad_scale()).backward()
                 mb_loss += loss.item()
                 merge_stats(mb_stats, st)
-            k1 = mb_stats["k1_sum"] / mb_stats["rollouts"]
+            mb_loss = dist.all_reduce(mb_loss)  # sum of the ranks' shares = the minibatch's loss
+            mb_stats = global_stats(mb_stats)
+            k1 = mb_stats["k1_sum"] / max(mb_stats["rollouts"], 1.0)
             if not math.isfinite(mb_loss) or abs(k1) > args.kl_threshold:  # ml-loop: stop this iteration
                 optimizer.zero_grad(set_to_none=True)
                 abandoned = True
                 break
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(mb_loss)
             merge_stats(totals, mb_stats)
         if abandoned:
             break
-    n = max(totals.get("rollouts", 0.0), 1.0)
+    n, any_tokens = max(totals["rollouts"], 1.0), totals["tokens"] > 0
     return {
         "loss": sum(losses) / max(len(losses), 1),
         "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
         "gradient_steps": len(losses),
-        "clip_fraction": totals.get("clipped", 0.0) / max(totals.get("units", 0.0), 1.0),
-        "ratio_mean": totals.get("ratio_sum", 0.0) / max(totals.get("tokens", 0.0), 1.0),
-        "ratio_min": totals.get("ratio_min", 1.0), "ratio_max": totals.get("ratio_max", 1.0),
-        "kl_k1": totals.get("k1_sum", 0.0) / n, "kl_k3": totals.get("k3_sum", 0.0) / n,
+        "clip_fraction": totals["clipped"] / max(totals["units"], 1.0),
+        "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1.0),
+        "ratio_min": totals["ratio_min"] if any_tokens else 1.0,
+        "ratio_max": totals["ratio_max"] if any_tokens else 1.0,
+        "kl_k1": totals["k1_sum"] / n, "kl_k3": totals["k3_sum"] / n,
         "abandoned": float(abandoned),
     }
+
+
+# ---------------------------------------------------------------- cold start (ours; not in the paper)
+def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) -> list[Rollout]:
+    """The environment's scripted expert (`env.expert_action()`) playing `tasks`, written exactly as the
+    policy's own episodes are (same prompt, glue and truncation); only the expert's actions are masked in.
+    Episodes the expert does not win within --max-turns are dropped."""
+    pieces = turn_pieces(tokenizer, eos_ids)
+    demos = []
+    for task in tasks:
+        obs, info = env.reset(task)
+        ep = Rollout(task=task, group=0)
+        ep.add(first_prompt_ids(tokenizer, obs, info), generated=False)
+        for turn in range(args.max_turns):
+            action = env.expert_action()
+            ep.add(tokenizer(action, add_special_tokens=False)["input_ids"] + pieces["trained_end"],
+                   generated=True, turn=turn)
+            ep.add(pieces["end"][len(pieces["trained_end"]):], generated=False)
+            ep.actions.append(action)
+            obs, reward, done, info = env.step(action)
+            ep.reward += float(reward)
+            ep.won, ep.turns = bool(info.get("won", False)), turn + 1
+            if done:
+                break
+            ep.add(env_reply_ids(tokenizer, pieces, obs, info, args.max_env_tokens), generated=False)
+        if ep.won:
+            demos.append(ep)
+    return demos
+
+
+def cold_start_sft(policy, demos: list[Rollout], args: Args, pad_id: int, gen: torch.Generator) -> float:
+    """SFT: mean negative log-likelihood of the expert's action tokens, one AdamW step per micro-batch of
+    --micro-batch-size episodes (split over the ranks), --cold-start-epochs reshuffled passes. Returns the
+    mean loss of the last epoch."""
+    device = next(policy.parameters()).device
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.cold_start_lr,
+                                  weight_decay=args.weight_decay)
+    losses = []
+    for _ in range(args.cold_start_epochs):
+        order, losses = torch.randperm(len(demos), generator=gen).tolist(), []
+        for m in range(0, len(order), args.micro_batch_size):
+            rows = dist.shard(order[m: m + args.micro_batch_size])  # this rank's share of the micro-batch
+            b = pad_batch([demos[i] for i in rows], pad_id, device) if rows else dummy_batch(pad_id, device)
+            n_local = float(b["action_mask"].sum()) if rows else 0.0
+            logp = action_logprobs(policy, b)  # (n, T-1), zero off the action tokens
+            loss = -logp.sum() * float(bool(rows)) / max(dist.all_reduce(n_local), 1.0)  # global token mean
+            (loss * dist.grad_scale()).backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(dist.all_reduce(loss.item()))
+    return sum(losses) / max(len(losses), 1)
 
 
 # ---------------------------------------------------------------- main
@@ -423,14 +534,13 @@ def evaluate(generator, pool: EnvPool, tokenizer, tasks: list, args: Args, eos_i
             "eval/reward_mean": sum(e.reward for e in eps) / len(eps)}
 
 
+@dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = apply_preset(cli.parse_args(Args, argv), argv)
     check_args(args)
     device = dist.init()
-    if dist.world_size() > 1:  # not written yet: group split, gradient all-reduce, global loss divisor
-        raise SystemExit("loop.py: multi-process (torchrun) training is not implemented yet; run one process")
-    random.seed(args.seed)
+    random.seed(args.seed)  # the plain seed: identical model initialisation on every rank
     torch.manual_seed(args.seed)
 
     # ---- set-up: one copy of the LLM (policy); the generator reads its weights
@@ -440,21 +550,28 @@ def main(argv: list[str] | None = None) -> dict:
     except models.ModelNotFoundError as e:
         raise SystemExit(f"loop.py: {e}") from None
     model.eval()  # no dropout: the recomputed old log-probs equal the first minibatch's new ones
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
-    state = checkpoint.load_checkpoint(args.out, model, optimizer) if args.resume else None
-    start = state["step"] if state else 0
-    extra = (state or {}).get("extra") or {}
-    generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model))
-    if start:
-        generator.update_weights(model)
     reference = None
     if args.kl_coef > 0 and args.lora_rank == 0:  # full fine-tune: the KL ablation needs a frozen copy
         import copy
         reference = copy.deepcopy(model).requires_grad_(False)
-        if state:
+        if args.resume:
             raise SystemExit("loop.py: --resume with --kl-coef and full fine-tuning is not supported "
                              "(the initial policy is not in the checkpoint); use --lora-rank")
+    generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model))
+    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
+            and isinstance(generator, HFGenerator):
+        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
+        raise SystemExit("loop.py: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
+                         "would deadlock); use --parallel ddp or --lora-rank > 0")
+    # training forward/backward goes through DDP (gradients averaged over ranks); generation uses `model`
+    policy = dist.wrap(model, args.parallel)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
+    state = checkpoint.load_checkpoint(args.out, model, optimizer) if args.resume else None  # every rank
+    start = state["step"] if state else 0
+    extra = (state or {}).get("extra") or {}
+    if start:
+        generator.update_weights(model)
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, model.generation_config) | eos_token_ids(tokenizer, model.config)
 
@@ -464,79 +581,115 @@ def main(argv: list[str] | None = None) -> dict:
         train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[: args.eval_tasks]
     except (ValueError, TypeError) as e:  # unknown env, bad JSON, an option the env does not take
         raise SystemExit(f"loop.py: --env {args.env} --env-options {args.env_options}: {e}") from None
-    pool = EnvPool(args.env, args.tasks_per_step * args.group_size, **env_options)
-    eval_pool = EnvPool(args.env, len(eval_tasks), **env_options)
+    if hasattr(env, "game_file"):  # TextWorld compiles a game on first use: not inside a pool's step timeout
+        for task in train_tasks + eval_tasks:
+            env.game_file(task)
+    # each rank plays whole groups: its share of the B tasks (dist.shard), K rollouts each
+    pool = EnvPool(args.env, len(dist.shard(range(args.tasks_per_step))) * args.group_size, **env_options)
+    eval_pool = EnvPool(args.env, len(eval_tasks), **env_options) if dist.is_main() else None
+
+    def held_out() -> dict:  # rank 0 evaluates, the others wait for its numbers
+        main_rank = dist.is_main()
+        return dist.broadcast_object(evaluate(generator, eval_pool, tokenizer, eval_tasks, args, eos_ids)
+                                     if main_rank else None)
 
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
-    logger = metrics.MetricsLogger(args.out, args.steps, desc="loop", initial_step=start)
+    if dist.is_main():
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+    logger = metrics.MetricsLogger(args.out, args.steps, desc="loop", initial_step=start,
+                                   enabled=dist.is_main())
     if "eval_before" not in extra:
-        extra["eval_before"] = evaluate(generator, eval_pool, tokenizer, eval_tasks, args, eos_ids)
+        extra["eval_before"] = held_out()
         logger.log({"step": 0, **extra["eval_before"]})
+        # ---- cold start (ours): SFT on a few scripted-expert episodes, so that RL starts from a policy
+        # whose groups sometimes disagree (zero-shot, a 135M model never writes a valid command)
+        if args.cold_start_episodes > 0 and hasattr(env, "expert_action"):
+            t0 = time.time()
+            n_demos = min(args.cold_start_episodes, len(train_tasks))
+            picks = random.Random(args.seed).sample(train_tasks, n_demos)
+            demos = expert_rollouts(env, tokenizer, picks, args, eos_ids)
+            sft_loss = cold_start_sft(policy, demos, args, pad_id, torch.Generator().manual_seed(args.seed))
+            generator.update_weights(model)
+            extra["eval_cold_start"] = held_out()
+            logger.log({"step": 0, "cold_start/episodes": len(demos), "cold_start/loss": sft_loss,
+                        "cold_start/time_s": time.time() - t0,
+                        **{k.replace("eval/", "eval_cold_start/"): v
+                           for k, v in extra["eval_cold_start"].items()}})
 
     last: dict = {}
     for it in range(start, args.steps):
         t0 = time.time()
-        # ---- 1. rollout: B tasks x K episodes, sampled at temperature 1 from the current policy
+        # ---- 1. rollout: B tasks x K episodes, sampled at temperature 1 from the current policy. The
+        # task list is the same on every rank; each rank plays its share with its own sampling seed.
         tasks = random.Random(args.seed * 1_000_003 + it).sample(train_tasks, args.tasks_per_step)
-        rollouts = collect_rollouts(generator, pool, tokenizer, tasks, args.group_size, args,
+        mine = dist.shard(list(enumerate(tasks)))  # (global group index, task)
+        rollouts = collect_rollouts(generator, pool, tokenizer, [t for _, t in mine], args.group_size, args,
                                     temperature=args.temperature, max_turns=args.max_turns,
-                                    seed=args.seed * 1_000_003 + it, eos_ids=eos_ids)
+                                    seed=dist.rank_seed(args.seed) * 1_000_003 + it, eos_ids=eos_ids) \
+            if mine else []
+        for r in rollouts:
+            r.group = mine[r.group][0]
         t1 = time.time()
         # ---- 2. advantage: leave-one-out within each task's group, then drop |A| < threshold
-        advantages: list[float] = []
-        for g in range(len(tasks)):
-            group = [r.reward for r in rollouts if r.group == g]
-            advantages += leave_one_out_advantages(group, args.std_normalize)
+        advantages = group_advantages(rollouts, args.std_normalize)
         keep = keep_mask(advantages, args.adv_threshold)
         kept = [r for r, k in zip(rollouts, keep, strict=True) if k]
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
+        n_kept = dist.all_reduce(len(kept))
         # ---- 3. old log-probs (and the reference's, for the KL ablation) under the training model
         recompute_logprobs(model, kept, pad_id, args.micro_batch_size, "old_logp")
         if args.kl_coef > 0:
             if reference is not None:
                 recompute_logprobs(reference, kept, pad_id, args.micro_batch_size, "ref_logp")
             else:  # LoRA: the initial policy is the base model with the adapter switched off
-                with model.disable_adapter():
+                with models.unwrap(model).disable_adapter():
                     recompute_logprobs(model, kept, pad_id, args.micro_batch_size, "ref_logp")
         t2 = time.time()
         # ---- 4. update: epochs of reshuffled minibatches, then the new weights go to the generator
         update = {"loss": 0.0, "gradient_steps": 0}
-        if kept:
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + it)
-            update = loop_update(model, optimizer, kept, kept_adv, args, gen, pad_id)
+        if n_kept:  # the same on every rank
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + it)  # same shuffle on every rank
+            update = loop_update(policy, optimizer, kept, kept_adv, args, gen, pad_id)
             generator.update_weights(model)
         t3 = time.time()
-        # ---- 5. log
+        # ---- 5. log: sums over ranks
+        n = dist.all_reduce(len(rollouts))
+        total = lambda xs: dist.all_reduce(float(sum(xs)))
         last = {
             "step": it + 1,
-            "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
-            "success_rate": sum(r.won for r in rollouts) / len(rollouts),
-            "num_tokens": sum(len(r.ids) for r in rollouts),
-            "action_tokens": sum(sum(r.action_mask) for r in rollouts),
-            "turns_mean": sum(r.turns for r in rollouts) / len(rollouts),
-            "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
-            "filtered_fraction": 1.0 - len(kept) / len(rollouts),
+            "rollouts": n,
+            "reward_mean": total(r.reward for r in rollouts) / n,
+            "success_rate": total(r.won for r in rollouts) / n,
+            "num_tokens": int(total(len(r.ids) for r in rollouts)),
+            "action_tokens": int(total(sum(r.action_mask) for r in rollouts)),
+            "turns_mean": total(r.turns for r in rollouts) / n,
+            "truncated_fraction": total(r.truncated for r in rollouts) / n,
+            "filtered_fraction": 1.0 - n_kept / n,
             **update,
             "time_rollout_s": t1 - t0, "time_logprobs_s": t2 - t1, "time_update_s": t3 - t2,
         }
         # ---- 6. held-out evaluation, checkpoint
         if args.eval_every and (it + 1) % args.eval_every == 0 and it + 1 < args.steps:
-            last.update(evaluate(generator, eval_pool, tokenizer, eval_tasks, args, eos_ids))
+            last.update(held_out())
             last["time_eval_s"] = time.time() - t3
         last["time_s"] = time.time() - t0
         logger.log(last)
         if (it + 1) % args.save_every == 0 or it + 1 == args.steps:
             checkpoint.save_checkpoint(args.out, it + 1, model, optimizer, args, extra=extra)
 
-    after = evaluate(generator, eval_pool, tokenizer, eval_tasks, args, eos_ids)
+    after = held_out()
     logger.log({"step": args.steps, **after})
     logger.close()
     before = extra["eval_before"]["eval/success_rate"]
-    print(f"held-out success ({len(eval_tasks)} tasks, greedy): before {before:.3f} -> "
-          f"after {after['eval/success_rate']:.3f}")
-    return {**last, **after, "eval/success_rate_before": before}
+    cold = extra.get("eval_cold_start", {}).get("eval/success_rate")
+    if dist.is_main():
+        print(f"held-out success ({len(eval_tasks)} tasks, greedy): before {before:.3f} -> "
+              + (f"cold start {cold:.3f} -> " if cold is not None else "")
+              + f"after LOOP {after['eval/success_rate']:.3f}")
+    dist.cleanup()
+    return {**last, **after, "eval/success_rate_before": before,
+            **({"eval/success_rate_cold_start": cold} if cold is not None else {})}
 
 
 if __name__ == "__main__":
