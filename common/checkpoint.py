@@ -98,27 +98,36 @@ def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     return weights, get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
 
 
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str] | None:
     """Names of the optimizer's parameters in its own order (the positions optimizer.state_dict() uses);
-    the same names torch.distributed.checkpoint uses (DDP's `module.` stripped)."""
+    the same names torch.distributed.checkpoint uses (DDP's `module.` stripped). None when the optimizer
+    also holds parameters that are not the model's."""
     names = {id(p): n for n, p in unwrap(model).named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [names[id(p)] for p in params] if all(id(p) in names for p in params) else None
+
+
+def _is_named(state: dict) -> bool:
+    return any(isinstance(k, str) for k in state["state"]) or any(
+        isinstance(p, str) for g in state["param_groups"] for p in g["params"])
 
 
 def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """optimizer.state_dict() format -> the same with parameter names in place of positions."""
-    if any(isinstance(k, str) for k in state["state"]) or any(
-            isinstance(p, str) for g in state["param_groups"] for p in g["params"]):
-        return state
+    """optimizer.state_dict() format -> the same with parameter names in place of positions (left
+    positional when the optimizer holds parameters outside the model: resumable by the same layout only)."""
     names = _param_names(model, optimizer)
+    if _is_named(state) or names is None:
+        return state
     return {"state": {names[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def _by_position(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
     """Named optimizer state -> optimizer.state_dict() format for this optimizer's parameter order."""
-    state = _by_name(model, optimizer, state)
-    index = {n: i for i, n in enumerate(_param_names(model, optimizer))}
+    if not _is_named(state):
+        return state
+    names = _param_names(model, optimizer) or []
+    index = {n: i for i, n in enumerate(names)}
     unknown = sorted(set(state["state"]) - set(index))
     if unknown:
         raise ValueError(f"optimizer state in the checkpoint is for parameters this model does not train: "
