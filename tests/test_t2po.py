@@ -329,6 +329,25 @@ TRAIN_KEYS = ("step", "reward_mean", "success_rate", "num_tokens", "time_s", "lo
 
 
 @pytest.mark.slow
+def test_success_rises_on_the_toy_env(tmp_path):
+    """RL learns: on the tiny random model the toy env's success (space fraction ≥ 0.25) goes from 0 to
+    most episodes within 11 steps (~1 min). TTI and TDS stay on (L_max above the 4-token budget, so TTI
+    does not force its 18-character `</think>\n<action>` into every 4-token fallback action)."""
+    import json
+
+    out = str(tmp_path / "run")
+    t2po.main(["--env", "toy", "--model", "tiny-random", "--no-rft", "--group-size", "8",
+               "--tasks-per-step", "2", "--max-turns", "2", "--max-new-tokens", "4", "--tti-chunk", "4",
+               "--tti-max-think", "64", "--lr", "5e-2", "--eval-tasks", "1", "--reward", "env",
+               "--threads", "1", "--steps", "11", "--save-every", "100", "--out", out])
+    train = [line for line in map(json.loads, open(f"{out}/metrics.jsonl")) if "reward_mean" in line]
+    success = [line["success_rate"] for line in train]
+    assert len(success) == 11 and success[:3] == [0.0, 0.0, 0.0], success
+    assert sum(success[-2:]) / 2 > 0.5, success
+    assert train[-1]["score"] > 2 * train[0]["score"], [line["score"] for line in train]
+
+
+@pytest.mark.slow
 def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
     """The whole script on the tiny random model: base eval, RL with TTI and TDS, final eval, checkpoint,
     --resume. A random model never writes the think/action format, so every turn is ill-formed and its
