@@ -59,6 +59,7 @@ class Args:
     lora_rank: int = opt(16, "LoRA rank (paper: 16); 0 = full fine-tune")
     lora_alpha: int = opt(32, "LoRA alpha")
     dtype: Literal["float32", "bfloat16"] = opt("float32", "training dtype: float32 | bfloat16")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward (long episodes)")
     clip_eps: float = opt(0.1, "PPO epsilon; clip range [1/(1+eps), 1+eps]")
     adv_threshold: float = opt(0.01, "drop rollouts with |advantage| below this")
     importance_weight: Literal["token", "turn", "trajectory"] = opt(
@@ -85,6 +86,8 @@ class Args:
     seed: int = opt(0, "everything is reproducible from it")
     parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
         "auto", "torchrun: auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params")
+    dry_run: bool = opt(False, "print the per-rank memory plan for --model and the world size, then exit "
+                               "(no weights loaded)")
 
 
 # Per-environment settings, applied to every field not given explicitly on the command line.
@@ -95,7 +98,7 @@ ENV_PRESETS: dict[str, dict] = {
     "appworld": dict(model="Qwen/Qwen2.5-32B-Instruct", lora_rank=16, lora_alpha=32, lr=5e-5, max_turns=40,
                      eval_max_turns=50, max_new_tokens=1500, max_env_tokens=3000, max_seq_len=32768,
                      group_size=6, tasks_per_step=40, minibatch_size=32, micro_batch_size=1, steps=200,
-                     dtype="bfloat16", eval_every=10, eval_tasks=57),
+                     dtype="bfloat16", gradient_checkpointing=True, eval_every=10, eval_tasks=57),
 }
 
 SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with exactly one action and "
@@ -540,13 +543,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = apply_preset(cli.parse_args(Args, argv), argv)
     check_args(args)
     device = dist.init()
+    if args.dry_run:  # memory plan per rank from the model's shape alone
+        from common.plan import print_plan
+        if dist.is_main():
+            print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=args.max_seq_len,
+                       micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
+                       dtype=args.dtype, vllm_dtype=args.dtype, chunk_size=1024,
+                       gradient_checkpointing=args.gradient_checkpointing)
+        dist.cleanup()
+        return {}
     random.seed(args.seed)  # the plain seed: identical model initialisation on every rank
     torch.manual_seed(args.seed)
 
     # ---- set-up: one copy of the LLM (policy); the generator reads its weights
     try:
         model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
-                                              lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+                                              lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                                              gradient_checkpointing=args.gradient_checkpointing)
     except models.ModelNotFoundError as e:
         raise SystemExit(f"loop.py: {e}") from None
     model.eval()  # no dropout: the recomputed old log-probs equal the first minibatch's new ones

@@ -136,6 +136,19 @@ def test_env_preset_fills_only_unset_fields():
     assert loop.apply_preset(loop.Args(env="toy"), []).lora_rank == loop.Args().lora_rank
 
 
+def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys, monkeypatch):
+    from common import models
+
+    def no_loading(*a, **k):
+        raise AssertionError("--dry-run loaded a model")
+
+    monkeypatch.setattr(models, "load_policy", no_loading)
+    assert loop.main(["--dry-run", "--env", "appworld"]) == {}
+    out = capsys.readouterr().out
+    assert "Qwen2.5-32B-Instruct" in out and "32768" in out  # the preset's model and sequence length
+    assert "LoRA r=16" in out and "PEAK" in out
+
+
 # ---------------------------------------------------------------- with a (tiny, random) language model
 
 
