@@ -79,3 +79,24 @@ def test_one_failing_rank_stops_all_with_its_message():
     assert proc.returncode != 0
     assert "[rank 1] ValueError: rank one broke on purpose" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def test_full_weights_of_an_unsharded_model_are_its_merged_weights():
+    import inspect
+
+    import torch
+
+    from common.models import TINY_MODEL, load_policy, merged_state_dict
+
+    model, _ = load_policy(TINY_MODEL, lora_rank=2)
+    with torch.no_grad():  # a non-zero LoRA delta, so merging matters
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    assert not dist.is_sharded(model)
+    weights = dist.full_weights(model)
+    assert inspect.isgenerator(weights)  # consumed lazily, one tensor at a time
+    got, want = dict(weights), merged_state_dict(model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(got[q], model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
