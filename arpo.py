@@ -110,6 +110,8 @@ class Args:
     parallel: Literal["auto", "none", "ddp", "fsdp2"] = field(default="auto", metadata={
         "help": "under torchrun: auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B "
                 "params (FSDP2 needs --backend vllm)"})
+    dry_run: bool = field(default=False, metadata={
+        "help": "print the per-rank memory plan for --model and the world size (no weights loaded); exit"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default); 1 is much "
                                                       "faster on a CPU shared with other jobs"})
     cold_start: bool = field(default=True, metadata={
@@ -738,6 +740,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = dist.init()
+    if args.dry_run:  # memory plan per rank from the model's shape alone
+        from common.plan import print_plan
+        if dist.is_main():
+            # a sequence: the question prompt (the tools prompts: 115-152 tokens) + the whole response
+            seq = 256 + args.max_new_tokens
+            try:
+                print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq,
+                           micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel)
+            except ValueError as e:  # a model whose shape is not known offline
+                sys.exit(f"error: {e}")
+        dist.cleanup()
+        return {}
     random.seed(args.seed)  # the plain seed: identical model init and cold start on every rank
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)

@@ -502,3 +502,12 @@ def test_torchrun_training_run_logs_global_metrics_and_resumes_on_one_process(tm
     assert final["step"] == 3 and final["rollouts"] == 12
     assert [x["step"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if "reward_mean" in x] == [1, 2, 3]
+
+
+def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys):
+    # Qwen3-4B is not on this machine: the plan comes from its known shape alone
+    assert arpo.main(["--dry-run", "--model", "Qwen/Qwen3-4B", "--max-new-tokens", "4096"]) == {}
+    out = capsys.readouterr().out
+    assert "model Qwen/Qwen3-4B: 36 layers" in out
+    assert "strategy none on 1 rank(s)" in out  # one process: nothing to wrap
+    assert "4 seqs*4352 tok" in out  # --micro-batch-size 4 sequences of 256 prompt + 4096 response tokens
