@@ -53,14 +53,14 @@ class Args:
                              "e.g. '{\"num_options\": 1}' (webshop-lite's CPU preset sets its own)"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF id or folder; default: packaged SmolLM2"})
     backend: Literal["auto", "hf", "vllm"] = field(default="auto", metadata={"help": "generation engine"})
-    steps: int = field(default=4, metadata={"help": "RL iterations"})
+    steps: int = field(default=3, metadata={"help": "RL iterations"})
     group_size: int = field(default=4, metadata={"help": "rollouts per task (GiGPO group; paper 8)"})
     tasks_per_step: int = field(default=1, metadata={"help": "tasks per iteration (paper 16)"})
-    lr: float = field(default=1e-5, metadata={"help": "RL learning rate (paper 1e-6)"})
+    lr: float = field(default=3e-5, metadata={"help": "RL learning rate (paper 1e-6)"})
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tune"})
     temperature: float = field(default=1.0, metadata={"help": "training sampling temperature"})
-    max_turns: int = field(default=4, metadata={"help": "environment steps per episode (paper 15 / 50)"})
-    max_new_tokens: int = field(default=48, metadata={"help": "response tokens per turn (paper 300 / 500)"})
+    max_turns: int = field(default=3, metadata={"help": "environment steps per episode (paper 15 / 50)"})
+    max_new_tokens: int = field(default=40, metadata={"help": "response tokens per turn (paper 300 / 500)"})
     history_length: int = field(default=2, metadata={"help": "P: past turns in the prompt (2; search 4)"})
     max_obs_chars: int = field(default=200, metadata={"help": "observation chars kept in prompts"})
     eval_every: int = field(default=0, metadata={"help": "also evaluate every N RL steps"})
@@ -84,7 +84,7 @@ class Args:
     tti_min_think: int = field(default=16, metadata={"help": "L_min: thinking tokens before TTI (ours)"})
     tti_max_think: int = field(default=0, metadata={"help": "L_max thinking cap; 0: max_new_tokens minus "
                                "min(32, max_new_tokens/2) for the action (official code: 450)"})
-    tti_chunk: int = field(default=48, metadata={"help": "tokens between TTI scans (waste ≤ chunk)"})
+    tti_chunk: int = field(default=40, metadata={"help": "tokens between TTI scans (waste ≤ chunk)"})
     # TDS (turn level)
     tds: bool = field(default=True, metadata={"help": "turn-level dynamical sampling (training only)"})
     tds_eta: float = field(default=0.3, metadata={"help": "η: resample the turn when |Φ_k − Φ_{k−1}| < η"})
@@ -107,7 +107,7 @@ class Args:
     rft: bool = field(default=True, metadata={"help": "RFT cold start before RL"})
     rft_source: Literal["auto", "expert", "sample"] = field(default="auto", metadata={
         "help": "expert trajectories where the env has an expert (auto), else rejection sampling (sample)"})
-    rft_episodes: int = field(default=4, metadata={"help": "episodes collected for RFT"})
+    rft_episodes: int = field(default=6, metadata={"help": "episodes collected for RFT"})
     rft_epochs: int = field(default=1, metadata={"help": "SFT epochs over the kept turns"})
     rft_lr: float = field(default=5e-5, metadata={"help": "SFT learning rate"})
     # torchrun
@@ -130,7 +130,8 @@ for _preset in ENV_PRESETS.values():
     _preset.update(max_obs_chars=100_000, ppo_minibatch=128, micro_batch=8, lora_rank=0)
 # The CPU demo (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
 # observation format, which drops the page header that repeats the instruction.
-ENV_PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}')
+ENV_PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
+                                   tds_max_try=1)
 
 
 def apply_env_preset(args: Args, argv: list[str]) -> Args:
@@ -524,6 +525,18 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
 # ---------------------------------------------------------------------------------------------------
 # Cold start: rejection-sampling fine-tuning (RFT)
 
+def expert_thought(action: str) -> str:
+    """A one-line reason for a WebShop-style expert action (the expert has none). Short on purpose: it and
+    the action must fit the CPU demo's response budget, and it leaves the thinking style open for RL."""
+    if action.startswith("search["):
+        return "Search for the product the task describes."
+    if action == "click[buy now]":
+        return "This item fits the task, so buy it."
+    if action.startswith("click[") and action[6:-1] in ("next >", "< prev", "back to search"):
+        return "The target is not on this page; navigate."
+    return "Open the result that best matches the task."
+
+
 def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
     """Replay the environment's scripted expert (`env.expert_action()` for the current state), written as
     `<think>…</think><action>…</action>` turns with the same prompts the policy will see."""
@@ -536,8 +549,7 @@ def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
             prompt = build_turn_prompt(info.get("instruction", ""), history, obs,
                                        info.get("admissible_actions") or [], args.history_length,
                                        args.max_obs_chars)
-            text = (f"<think>To make progress on the task, the next step is: {action}</think>\n"
-                    f"<action>{action}</action>")
+            text = f"<think>{expert_thought(action)}</think>\n<action>{action}</action>"
             next_obs, _, done, info = env.step(action)
             turns.append(dict(prompt=prompt, text=text, valid=True))
             history.append((obs, action))
