@@ -52,6 +52,10 @@ def mean_se(values: list[float]) -> str:
     return f"{m:.3f} ± {sd / math.sqrt(len(values)):.3f}"
 
 
+def train_column(out: str, key: str) -> list[float]:
+    return [x[key] for x in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "reward_mean" in x]
+
+
 def summary(out: str) -> dict:
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     train = [x for x in lines if "reward_mean" in x]
@@ -92,6 +96,12 @@ def main() -> None:
     print("\n| | ARPO (`--rollout arpo`) | GRPO (`--rollout global`) |\n|---|---|---|")
     for key in rows["arpo"]:
         print(f"| {key} | {rows['arpo'][key]} | {rows['global'][key]} |")
+    # step s trains on the same questions in both arms: the per-step difference cancels question difficulty
+    # (strict=False: an arm cut short by --max-minutes is compared over the steps both ran)
+    print("\npaired by step (ARPO - GRPO, mean ± SE over steps):")
+    for key in ("reward_mean", "tool_calls/python_per_question", "tool_calls/search_per_question"):
+        a, g = (train_column(os.path.join(ours.root, r), key) for r in ("arpo", "global"))
+        print(f"  {key}: {mean_se([x - y for x, y in zip(a, g, strict=False)])}")
 
 
 if __name__ == "__main__":
