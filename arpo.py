@@ -168,6 +168,8 @@ class Rollout:
     h_initial: float | None = None      # step entropy of the first k tokens of the initial reasoning
     probe: bool = False                 # a result was just inserted: the next k tokens decide a fork
     tool_calls: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TOOL_TAGS})
+    shared_calls: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TOOL_TAGS})  # in the prefix
+    #   shared with the parent: run once, by the parent (a fork's own calls = tool_calls - shared_calls)
     done: bool = False
     finish: str = ""                    # eos | length | tool_limit
     parent: int | None = None           # rollout it was forked from (None: a global rollout)
@@ -182,6 +184,7 @@ def fork(parent: Rollout, parent_index: int, at: int) -> Rollout:
     child.policy_mask = parent.policy_mask[:at]
     child.old_logprobs = parent.old_logprobs[:at]
     child.parent, child.fork_point, child.probe, child.delta_h = parent_index, at, False, []
+    child.shared_calls = dict(parent.tool_calls)  # a fork starts at the end of a result: all calls so far
     return child
 
 
@@ -629,8 +632,11 @@ def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[d
            "result_tokens": sum(len(r.policy_mask) - sum(r.policy_mask) for r in rollouts),
            "forks_per_question": sum(r.parent is not None for r in rollouts) / num_questions,
            "tool_limit_rate": float(np.mean([r.finish == "tool_limit" for r in rollouts]))}
-    for tag in TOOL_TAGS:  # the paper's budget claim counts calls per question (all M rollouts)
+    for tag in TOOL_TAGS:  # calls written in the M responses of a question
         out[f"tool_calls/{tag}_per_question"] = calls[tag] / num_questions
+    # calls actually run per question (the paper's tool-call budget): a fork's shared prefix was run once
+    out["tool_calls/executed_per_question"] = sum(
+        r.tool_calls[t] - r.shared_calls[t] for r in rollouts for t in TOOL_TAGS) / num_questions
     out["tool_calls/per_rollout"] = sum(calls.values()) / len(rollouts)
     if dh:
         q = np.quantile(dh, [0.1, 0.5, 0.9])

@@ -1,7 +1,8 @@
 """ARPO vs trajectory-level GRPO at the same rollout budget: the same script, seed, questions and M, only
 `--rollout` differs. Both arms start from one shared cold-start model (arpo.py's scripted-expert SFT, run
 once and saved), so the comparison is about the RL stage alone. Prints reward, tool calls and forks per
-question (mean over training steps, with the standard error over steps) and held-out success.
+question (mean over training steps, with the standard error over steps; "written" counts the calls in the
+M responses, "run" counts a fork's shared prefix once, as executed) and held-out success.
 
     python benchmarks/arpo_vs_grpo.py                           # cold start, then both arms in turn
     python benchmarks/arpo_vs_grpo.py --arm arpo                # one arm (the cold start is reused if saved)
@@ -64,8 +65,9 @@ def summary(out: str) -> dict:
     return {"steps (questions x M rollouts each)": f"{len(train)} ({train[0]['rollouts']} rollouts/step)",
             "train reward": mean_se(col("reward_mean")),
             "train format-error rate": mean_se(col("format_error_rate")),
-            "python calls / question": mean_se(col("tool_calls/python_per_question")),
-            "search calls / question": mean_se(col("tool_calls/search_per_question")),
+            "python calls written / question": mean_se(col("tool_calls/python_per_question")),
+            "search calls written / question": mean_se(col("tool_calls/search_per_question")),
+            "tool calls run / question": mean_se(col("tool_calls/executed_per_question")),
             "forks / question": mean_se(col("forks_per_question")),
             "policy tokens / step": mean_se(col("num_tokens")),
             "held-out success before -> after": f"{evals[0]['eval/success_rate']:.3f} -> "
@@ -99,7 +101,7 @@ def main() -> None:
     # step s trains on the same questions in both arms: the per-step difference cancels question difficulty
     # (strict=False: an arm cut short by --max-minutes is compared over the steps both ran)
     print("\npaired by step (ARPO - GRPO, mean ± SE over steps):")
-    for key in ("reward_mean", "tool_calls/python_per_question", "tool_calls/search_per_question"):
+    for key in ("reward_mean", "tool_calls/executed_per_question", "num_tokens"):
         a, g = (train_column(os.path.join(ours.root, r), key) for r in ("arpo", "global"))
         print(f"  {key}: {mean_se([x - y for x, y in zip(a, g, strict=False)])}")
 

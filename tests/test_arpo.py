@@ -134,9 +134,13 @@ def test_forks_happen_when_entropy_rises_and_stop_at_m():
                                        stop_string="</python>" if tool else None))
         return out
 
+    def run_tool(r, tag):
+        calls["tools"] = calls.get("tools", 0) + 1
+        return [9]
+
     rollouts = arpo.adaptive_rollout(1, group_size=4, initial_rollouts=1, fork_z=2, k=2, beta=100.0, tau=0.5,
                                      max_tool_calls=5, max_new_tokens=100, vocab_size=100,
-                                     generate_segments=gen, run_tool=lambda r, t: [9], rng=random.Random(0))
+                                     generate_segments=gen, run_tool=run_tool, rng=random.Random(0))
     assert len(rollouts) == 4
     # first result: the root (tokens 7 8 9) forks Z = 2 children at position 3; at its second result
     # (7 8 9 7 8 9) only one slot is left, so one more child at position 6; then no more forks.
@@ -146,6 +150,11 @@ def test_forks_happen_when_entropy_rises_and_stop_at_m():
     # the initial entropy is the root's own first segment, inherited by its forks
     assert all(r.h_initial == 0.0 for r in rollouts)
     assert rollouts[0].delta_h[0] == pytest.approx(2 * 5.0 / math.log(100))
+    # every response holds 3 python calls (12 written), but the children forked after call 1 ran 2 each and
+    # the one forked after call 2 ran 1: 3 + 2 + 2 + 1 = 8 calls executed, as run_tool counted
+    m = arpo.rollout_metrics(rollouts, [0.0] * 4, [{}] * 4, num_questions=1)
+    assert m["tool_calls/python_per_question"] == 12
+    assert m["tool_calls/executed_per_question"] == 8 == calls["tools"]
 
 
 def test_fresh_global_rollouts_fill_the_budget():
