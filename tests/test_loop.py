@@ -362,3 +362,36 @@ def test_torchrun_training_run_logs_global_metrics_and_resumes_on_one_process(tm
     assert final["step"] == 3
     assert [x["step"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if "reward_mean" in x] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- cold start (scripted expert, SFT)
+
+
+def test_expert_episode_is_written_like_a_rollout_and_sft_raises_its_likelihood(tiny):
+    import copy
+
+    from envs.base import make_env
+
+    model, tok = tiny
+    env = make_env("textworld", level=2, train_games=1)  # game 0: "go west", then "take coin" wins
+    eos = {tok.eos_token_id}
+    [demo] = loop.expert_rollouts(env, tok, [0], loop.Args(max_turns=3), eos)
+    assert demo.won and demo.reward == 1.0 and demo.actions == ["go west", "take coin"] and demo.turns == 2
+    assert len(demo.ids) == len(demo.action_mask) == len(demo.turn_ids)
+    for turn, action in enumerate(demo.actions):  # the expert's words and its end-of-turn token, nothing else
+        ids = [t for t, k in zip(demo.ids, demo.turn_ids, strict=True) if k == turn]
+        assert tok.decode(ids) == action + tok.eos_token
+    context = tok.decode([t for t, m in zip(demo.ids, demo.action_mask, strict=True) if not m])
+    assert "-= Shower =-" in context and "Available actions:" in context  # the env's reply is context
+    assert sum(demo.action_mask) == len(tok("go west")["input_ids"]) + len(tok("take coin")["input_ids"]) + 2
+
+    policy = copy.deepcopy(model)
+    args = loop.Args(cold_start_epochs=3, cold_start_lr=1e-2, micro_batch_size=1)
+
+    def expert_logp() -> float:
+        loop.recompute_logprobs(policy, [demo], tok.pad_token_id, 1, "old_logp")
+        return sum(demo.old_logp)  # zero off the action tokens
+
+    before = expert_logp()
+    loop.cold_start_sft(policy, [demo], args, tok.pad_token_id, torch.Generator().manual_seed(0))
+    assert expert_logp() > before + 1.0
