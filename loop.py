@@ -12,10 +12,15 @@ divided by the constant minibatch size. Two epochs of reshuffled minibatches reu
 no reference model, no KL term (one copy of the LLM in memory).
 
 Run:
-    python loop.py                                  # packaged SmolLM2-135M, offline env, ~15 min on CPU
+    python loop.py                                  # CPU default (docs/loop.md): packaged SmolLM2-135M on
+                                                    # TextWorld level 2, cold-start SFT then LOOP, < 15 min
     python loop.py --env toy --model tiny-random --steps 20
     python loop.py --env appworld                   # the paper's settings (GPU, vLLM)
-    torchrun --nproc 8 loop.py --env appworld
+    torchrun --nproc-per-node 8 loop.py --env appworld --backend vllm
+    python loop.py --env appworld --dry-run         # memory plan per rank, no weights loaded
+
+Ours, not the paper's: an optional cold start (SFT on a few scripted-expert episodes, where the environment
+has an expert) before RL, so that a 135M model on a CPU starts from groups that sometimes disagree.
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ ENV_PRESETS: dict[str, dict] = {
     "appworld": dict(model="Qwen/Qwen2.5-32B-Instruct", lora_rank=16, lora_alpha=32, lr=5e-5, max_turns=40,
                      eval_max_turns=50, max_new_tokens=1500, max_env_tokens=3000, max_seq_len=32768,
                      group_size=6, tasks_per_step=40, minibatch_size=32, micro_batch_size=1, steps=200,
-                     dtype="bfloat16", gradient_checkpointing=True, eval_every=10, eval_tasks=57),
+                     dtype="bfloat16", gradient_checkpointing=True, eval_every=10, eval_tasks=57,
+                     cold_start_episodes=0),
 }
 
 SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with exactly one action and "
