@@ -323,8 +323,10 @@ class VLLMGenerator:
                       gpu_memory_utilization=gpu_memory_utilization or (0.5 if on_gpu else 0.3),
                       enable_sleep_mode=on_gpu if enable_sleep_mode is None else enable_sleep_mode)
         if under_torchrun():  # every rank owns its own engine (tensor-parallel 1)
-            kwargs.update(distributed_executor_backend="external_launcher",
-                          data_parallel_size=int(os.environ["WORLD_SIZE"]))
+            # No data_parallel_size: vLLM's DP ranks must call generate together (they all-reduce a
+            # padding size every step; ranks with rollouts of different lengths deadlocked, measured).
+            # Left at 1, the torchrun ranks are vLLM's "external DP": independent engines, as in verl.
+            kwargs.update(distributed_executor_backend="external_launcher")
         kwargs.update(llm_kwargs)
         guard_llvmlite_against_vllm_module_scan()
         self.llm = vllm.LLM(**kwargs)

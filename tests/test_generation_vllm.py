@@ -150,3 +150,24 @@ def test_prompt_longer_than_context_is_a_clear_error(setup):
     _, _, engine, _, _ = setup
     with pytest.raises(ValueError, match="context of 256 tokens"):
         engine.generate([[5] * 256], max_new_tokens=4)
+
+
+def test_one_engine_per_rank_under_torchrun_follows_the_update(tmp_path):
+    """2 ranks, each with its own engine (external_launcher, tensor-parallel 1) and its own prompt; ranks
+    call generate a different number of times; the same update on both ranks reaches both engines."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(root, "tests", "dist_scripts", "vllm_external_launcher.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # DP=2 hung
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "result.json").read_text())
+    assert len(results) == 2
+    for r in results:
+        assert r["vllm_before"] == r["hf_before"] and len(r["vllm_before"]) == 8
+        assert r["vllm_after"] == r["hf_after"] != r["vllm_before"]
+    assert results[0]["vllm_before"] != results[1]["vllm_before"]  # different prompts per rank
