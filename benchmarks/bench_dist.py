@@ -8,6 +8,10 @@ under `torchrun --nproc-per-node N` it measures one configuration. A step is for
 the rank's share of the batch, with the loss divided by the global token count (as the scripts do), so
 the same global batch costs the same compute whichever the world size. Median over `repeats` timed steps
 after one warm-up. It also times a bare gloo all-reduce of all trainable gradients, DDP's communication.
+
+Wall time only means something on an otherwise idle machine. Each rank's CPU time per step is reported
+too: on a shared machine it still shows the work per rank, and 1x1 CPU / (slowest rank's CPU) is the
+speed-up 2 idle cores would give if nothing else limited it.
 """
 
 import json
@@ -57,14 +61,16 @@ def measure(args: Args) -> dict:
     ids = torch.randint(0, len(tok), (args.global_batch, args.seq), generator=gen)  # (B, T), same everywhere
     rows = dist.shard(list(range(args.global_batch)))
     n_tokens = args.global_batch * (args.seq - 1)
-    times = []
+    times, cpu = [], []
     for i in range(args.repeats + 1):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step(policy, optimizer, ids[rows], n_tokens)
+        cpu_s = time.process_time() - cpu_start  # this rank's own work (threads summed), waits excluded
         dist.barrier()
         if i:  # the first step is a warm-up (allocations, AdamW state)
             times.append(time.perf_counter() - start)
+            cpu.append(dist.all_reduce(cpu_s, "max"))
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reduce_s = []
     if dist.is_distributed():
@@ -75,8 +81,8 @@ def measure(args: Args) -> dict:
             torch.distributed.all_reduce(grads)
             reduce_s.append(time.perf_counter() - start)
     result = {"world_size": dist.world_size(), "threads": args.threads, "step_s": statistics.median(times),
-              "steps_s": times, "trainable": n_trainable, "all_reduce_s": statistics.median(reduce_s)
-              if reduce_s else 0.0}
+              "steps_s": times, "cpu_s": statistics.median(cpu), "trainable": n_trainable,
+              "all_reduce_s": statistics.median(reduce_s) if reduce_s else 0.0}
     if dist.is_main() and args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -102,14 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()
     results = {"1x1": run(1, 1, argv), "1x2": run(1, 2, argv), "2x1": run(2, 1, argv)}
     base = results["1x1"]["step_s"]
+    cpu_base = results["1x1"]["cpu_s"]
     print(f"load average at start {load[0]:.2f}; model {args.model}, global batch {args.global_batch} x "
           f"{args.seq} tokens, {results['1x1']['trainable']:,} trainable parameters")
     labels = {"1x1": "1 rank x 1 thread", "1x2": "1 rank x 2 threads", "2x1": "2 ranks x 1 thread"}
     for key, label in labels.items():
         r = results[key]
         extra = f", gloo all-reduce of all grads {r['all_reduce_s']:.3f} s" if r["all_reduce_s"] else ""
-        print(f"{label:20s} step {r['step_s']:.3f} s (median of {len(r['steps_s'])}), "
-              f"speed-up vs 1x1 {base / r['step_s']:.2f}{extra}")
+        print(f"{label:20s} step {r['step_s']:.3f} s wall (median of {len(r['steps_s'])}), speed-up vs 1x1 "
+              f"{base / r['step_s']:.2f}; CPU of the slowest rank {r['cpu_s']:.3f} s, 1x1 CPU / it "
+              f"{cpu_base / r['cpu_s']:.2f}{extra}")
     return results
 
 
