@@ -58,14 +58,14 @@ class Args:
     tasks_per_step: int = field(default=1, metadata={"help": "tasks per iteration (paper 16)"})
     lr: float = field(default=3e-5, metadata={"help": "RL learning rate (paper 1e-6)"})
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tune"})
-    temperature: float = field(default=1.0, metadata={"help": "training sampling temperature"})
+    temperature: float = field(default=0.7, metadata={"help": "training sampling temperature (paper 1.0)"})
     max_turns: int = field(default=3, metadata={"help": "environment steps per episode (paper 15 / 50)"})
     max_new_tokens: int = field(default=40, metadata={"help": "response tokens per turn (paper 300 / 500)"})
     history_length: int = field(default=2, metadata={"help": "P: past turns in the prompt (2; search 4)"})
     max_obs_chars: int = field(default=200, metadata={"help": "observation chars kept in prompts"})
     eval_every: int = field(default=0, metadata={"help": "also evaluate every N RL steps"})
     save_every: int = field(default=4, metadata={"help": "checkpoint every N RL steps (and at the end)"})
-    eval_tasks: int = field(default=8, metadata={"help": "held-out tasks per evaluation"})
+    eval_tasks: int = field(default=6, metadata={"help": "held-out tasks per evaluation"})
     eval_temperature: float = field(default=0.0, metadata={"help": "0 = greedy; paper's val sampling: 0.6"})
     eval_top_p: float = field(default=1.0, metadata={"help": "paper's val sampling: 0.95"})
     eval_top_k: int = field(default=0, metadata={"help": "paper's val sampling: 20"})
@@ -127,7 +127,7 @@ ENV_PRESETS: dict[str, dict] = {
                    history_length=4, tti_max_think=450, eval_tasks=256, steps=150, rft=False),
 }
 for _preset in ENV_PRESETS.values():
-    _preset.update(max_obs_chars=100_000, ppo_minibatch=128, micro_batch=8, lora_rank=0)
+    _preset.update(max_obs_chars=100_000, ppo_minibatch=128, micro_batch=8, lora_rank=0, temperature=1.0)
 # The CPU demo (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
 # observation format, which drops the page header that repeats the instruction.
 ENV_PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
