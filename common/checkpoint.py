@@ -92,7 +92,15 @@ def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
         return None, _by_name(model, optimizer, optimizer.state_dict())
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    weights = get_model_state_dict(model, options=_options(cpu_offload=True))
+    if _is_peft(unwrap(model)):  # only the adapter is saved: gather just it, one tensor at a time
+        weights = {}
+        for name, p in unwrap(model).named_parameters():
+            if "lora_" in name:
+                full = dist.full_tensor(p.detach())  # a collective: every rank, same order
+                if dist.is_main():
+                    weights[name] = full.cpu()
+    else:
+        weights = get_model_state_dict(model, options=_options(cpu_offload=True))
     if not optimizer.state:
         return weights, _by_name(model, optimizer, optimizer.state_dict())
     return weights, get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
