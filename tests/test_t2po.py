@@ -340,7 +340,8 @@ def test_success_rises_on_the_toy_env(tmp_path):
     t2po.main(["--env", "toy", "--model", "tiny-random", "--no-rft", "--group-size", "8",
                "--tasks-per-step", "2", "--max-turns", "2", "--max-new-tokens", "4", "--tti-chunk", "4",
                "--tti-max-think", "64", "--lr", "5e-2", "--eval-tasks", "1", "--reward", "env",
-               "--threads", "1", "--steps", "11", "--save-every", "100", "--out", out])
+               "--temperature", "1.0", "--threads", "1", "--steps", "11", "--save-every", "100",
+               "--out", out])
     train = [line for line in map(json.loads, open(f"{out}/metrics.jsonl")) if "reward_mean" in line]
     success = [line["success_rate"] for line in train]
     assert len(success) == 11 and success[:3] == [0.0, 0.0, 0.0], success
