@@ -16,7 +16,8 @@ Before RL a rejection-sampling fine-tune (RFT) teaches the format from successfu
 Run:
     python t2po.py                                # CPU demo: RFT then RL on webshop-lite, ~15 min
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
-    torchrun --nproc 8 t2po.py --env webshop      # the paper's setting (presets below)
+    torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
+    torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B --dry-run   # memory plan
 Read beside docs/t2po.md (equations next to the lines that implement them).
 """
 
