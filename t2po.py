@@ -57,7 +57,7 @@ class Args:
     steps: int = field(default=3, metadata={"help": "RL iterations"})
     group_size: int = field(default=4, metadata={"help": "rollouts per task (GiGPO group; paper 8)"})
     tasks_per_step: int = field(default=1, metadata={"help": "tasks per iteration (paper 16)"})
-    lr: float = field(default=3e-5, metadata={"help": "RL learning rate (paper 1e-6)"})
+    lr: float = field(default=1e-5, metadata={"help": "RL learning rate (paper 1e-6)"})
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tune"})
     temperature: float = field(default=0.7, metadata={"help": "training sampling temperature (paper 1.0)"})
     max_turns: int = field(default=3, metadata={"help": "environment steps per episode (paper 15 / 50)"})
