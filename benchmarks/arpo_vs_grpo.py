@@ -57,9 +57,10 @@ def train_column(out: str, key: str) -> list[float]:
     return [x[key] for x in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "reward_mean" in x]
 
 
-def summary(out: str) -> dict:
+def summary(out: str, steps: int) -> dict:
+    """Training figures over the first `steps` steps (both arms ran them); held-out after the arm's end."""
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    train = [x for x in lines if "reward_mean" in x]
+    train = [x for x in lines if "reward_mean" in x][:steps]
     evals = [x for x in lines if "eval/success_rate" in x]
     col = lambda key: [x[key] for x in train]  # noqa: E731
     return {"steps (questions x M rollouts each)": f"{len(train)} ({train[0]['rollouts']} rollouts/step)",
@@ -91,19 +92,19 @@ def main() -> None:
         out = os.path.join(ours.root, rollout)
         shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (metrics.jsonl appends)
         arpo.main([*flags, "--model", folder, "--no-cold-start", "--rollout", rollout, "--out", out])
-    rows = {r: summary(os.path.join(ours.root, r)) for r in ("arpo", "global")
-            if os.path.exists(os.path.join(ours.root, r, "metrics.jsonl"))}
-    if len(rows) < 2:
+    done = [r for r in ("arpo", "global") if os.path.exists(os.path.join(ours.root, r, "metrics.jsonl"))]
+    if len(done) < 2:
         return
+    steps = min(len(train_column(os.path.join(ours.root, r), "reward_mean")) for r in done)
+    rows = {r: summary(os.path.join(ours.root, r), steps) for r in done}
     print("\n| | ARPO (`--rollout arpo`) | GRPO (`--rollout global`) |\n|---|---|---|")
     for key in rows["arpo"]:
         print(f"| {key} | {rows['arpo'][key]} | {rows['global'][key]} |")
     # step s trains on the same questions in both arms: the per-step difference cancels question difficulty
-    # (strict=False: an arm cut short by --max-minutes is compared over the steps both ran)
     print("\npaired by step (ARPO - GRPO, mean ± SE over steps):")
     for key in ("reward_mean", "tool_calls/executed_per_question", "num_tokens"):
-        a, g = (train_column(os.path.join(ours.root, r), key) for r in ("arpo", "global"))
-        print(f"  {key}: {mean_se([x - y for x, y in zip(a, g, strict=False)])}")
+        a, g = (train_column(os.path.join(ours.root, r), key)[:steps] for r in ("arpo", "global"))
+        print(f"  {key}: {mean_se([x - y for x, y in zip(a, g, strict=True)])}")
 
 
 if __name__ == "__main__":
