@@ -159,7 +159,7 @@ def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: st
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
     """history: all (observation, action) pairs so far; only the last P are shown (memory window).
     verl-agent's wording, shortened: on a CPU every prompt token is paid for at every turn, twice (rollout
-    prefill and training forward), and the long template was ~60% of a webshop-lite prompt."""
+    prefill and training forward); the fixed text is 44 tokens instead of verl-agent's 118."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
