@@ -83,11 +83,11 @@ class Args:
     out: str = opt("runs/loop", "run folder: args.json, metrics.jsonl, checkpoints/")
     resume: bool = opt(False, "continue from the last checkpoint in --out")
     save_every: int = opt(1, "checkpoint every N iterations")
-    cold_start_episodes: int = opt(12, "SFT on this many scripted-expert episodes before RL where the env "
+    cold_start_episodes: int = opt(8, "SFT on this many scripted-expert episodes before RL where the env "
                                    "has an expert (ours, not the paper's: a 135M model never acts validly "
                                    "zero-shot); 0 = off")
-    cold_start_epochs: int = opt(1, "SFT passes over the expert episodes")
-    cold_start_lr: float = opt(3e-4, "SFT learning rate (AdamW)")
+    cold_start_epochs: int = opt(2, "SFT passes over the expert episodes")
+    cold_start_lr: float = opt(2e-4, "SFT learning rate (AdamW)")
     seed: int = opt(0, "everything is reproducible from it")
     parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
         "auto", "torchrun: auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params")

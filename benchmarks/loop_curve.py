@@ -1,6 +1,6 @@
 """LOOP learning curve: run loop.py (any of its flags), then print the curve as a markdown table.
 
-    python benchmarks/loop_curve.py --out runs/loop-curve               # the CPU default
+    python benchmarks/loop_curve.py --out runs/loop-curve               # the CPU default (cold start + LOOP)
     python benchmarks/loop_curve.py --out runs/loop-curve --env toy --model tiny-random --steps 8
     python benchmarks/loop_curve.py --table-only --out runs/loop-curve  # table of an existing run
 """
@@ -25,6 +25,11 @@ def table(out: str) -> str:
                          f"{r['filtered_fraction']:.2f} | {r.get('clip_fraction', 0):.3f} | "
                          f"{r.get('kl_k1', 0):.3f} | {r['time_s']:.0f} | "
                          f"{r.get('eval/success_rate', '')} |")
+        elif "eval_cold_start/success_rate" in r:
+            lines.append(f"| 0 (eval after the cold start: {r['cold_start/episodes']} expert episodes, "
+                         f"{r['cold_start/time_s']:.0f} s) | | | | | | | "
+                         f"{r['eval_cold_start/success_rate']:.3f} "
+                         f"(reward {r.get('eval_cold_start/reward_mean', 0):.3f}) |")
         elif "eval/success_rate" in r:
             lines.append(f"| {r['step']} (eval) | | | | | | | {r['eval/success_rate']:.3f} "
                          f"(reward {r.get('eval/reward_mean', 0):.3f}) |")
