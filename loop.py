@@ -650,6 +650,7 @@ def main(argv: list[str] | None = None) -> dict:
             if mine else []
         for r in rollouts:
             r.group = mine[r.group][0]
+        generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
         t1 = time.time()
         # ---- 2. advantage: leave-one-out within each task's group, then drop |A| < threshold
         advantages = group_advantages(rollouts, args.std_normalize)

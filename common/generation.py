@@ -169,6 +169,12 @@ class HFGenerator:
 
         self.model = unwrap(model)
 
+    def sleep(self) -> None:
+        """Nothing to free: this backend decodes with the training model's own weights."""
+
+    def wake_up(self) -> None:
+        """See `sleep`."""
+
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int = 128,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: list[str] | None = None, logprobs_k: int = 0,

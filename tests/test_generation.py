@@ -64,6 +64,17 @@ def test_greedy_is_argmax_and_reports_temperature_one(policy, gen):
     assert out[0][0].token_ids == ref[0, len(PROMPTS[0]):].tolist()
 
 
+def test_sleep_and_wake_keep_the_hf_generator_working(gen):
+    # the scripts call sleep() after every rollout (vLLM frees GPU memory); the HF backend has nothing to free
+    before = gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    gen.sleep()
+    after_sleep = gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    gen.wake_up()
+    assert [s[0].token_ids for s in after_sleep] == [s[0].token_ids for s in before]
+    assert [s[0].token_ids for s in gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)] == \
+        [s[0].token_ids for s in before]
+
+
 def test_seeds_reproducible_and_samples_differ(gen):
     a = gen.generate(PROMPTS, n=3, max_new_tokens=8, seeds=[11, 12])
     b = gen.generate(PROMPTS, n=3, max_new_tokens=8, seeds=[11, 12])
