@@ -824,6 +824,7 @@ def main(argv: list[str] | None = None) -> dict:
         tasks = dist.shard(tasks)
         prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
         rollouts = rollout_questions(prompts, env, generator, tokenizer, args, rng)
+        generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
         rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
         advantages = batch_advantages(rollouts, rewards, args.attribution)  # per question: rank-local
         batch = build_batch(prompts, rollouts, advantages, tokenizer.pad_token_id)
