@@ -90,6 +90,8 @@ class Args:
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tune"})
     minibatches: int = field(default=1, metadata={"help": "optimizer steps per iteration (code: 128/16=8)"})
     micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in backward (needed for 4096-token responses at 7B; docs/scaling.md)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1"})
     clip_high: float = field(default=0.2, metadata={"help": "PPO clip epsilon above 1"})
     dual_clip: float = field(default=3.0, metadata={"help": "dual-clip c: bound of -A*ratio when A < 0"})
@@ -127,7 +129,8 @@ class Args:
 # The paper's rollout settings (official scripts, 7B/8B) -- one flag away.
 PAPER_PRESET = dict(group_size=16, initial_rollouts=8, branch_k=20, beta=0.2, tau=0.5, fork_z=1,
                     max_tool_calls=5, lr=1e-6, tasks_per_step=128, minibatches=8, max_new_tokens=4096,
-                    max_minutes=0.0, cold_start=False)  # bring the SFT'd model with --model
+                    max_minutes=0.0, cold_start=False,
+                    gradient_checkpointing=True)  # bring the SFT'd model with --model
 
 TOOL_TAGS = ("python", "search")
 # Generation pauses at each closing tool tag (and stops for good after the answer).
@@ -753,7 +756,9 @@ def main(argv: list[str] | None = None) -> dict:
             seq = 256 + args.max_new_tokens
             try:
                 print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq,
-                           micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel)
+                           micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
+                           gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
+                           vllm_dtype="bfloat16")  # the engine decodes in bf16 on GPU and sleeps in training
             except ValueError as e:  # a model whose shape is not known offline
                 sys.exit(f"error: {e}")
         dist.cleanup()
@@ -772,7 +777,8 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         sys.exit(f"error: {e}")
     try:
-        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank, device=device)
+        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank, device=device,
+                                       gradient_checkpointing=args.gradient_checkpointing)
     except ValueError as e:  # model not found offline, bad name: one clear message
         sys.exit(f"error: {e}")
     ref_model = None

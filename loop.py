@@ -555,8 +555,8 @@ def main(argv: list[str] | None = None) -> dict:
         if dist.is_main():
             print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=args.max_seq_len,
                        micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
-                       dtype=args.dtype, vllm_dtype=args.dtype, chunk_size=1024,
-                       gradient_checkpointing=args.gradient_checkpointing)
+                       dtype=args.dtype, vllm_dtype="bfloat16", chunk_size=1024,
+                       gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True)
         dist.cleanup()
         return {}
     random.seed(args.seed)  # the plain seed: identical model initialisation on every rank

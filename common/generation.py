@@ -66,6 +66,9 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
             raise ValueError("the vllm backend needs model_path (the folder or hub id of the base weights)")
         if model is not None and "dtype" not in engine_kwargs:
             engine_kwargs["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+            if torch.cuda.is_available() and engine_kwargs["dtype"] == "float32":
+                # fp32 master weights train; rollouts decode in bf16 (half the engine's memory, as verl does)
+                engine_kwargs["dtype"] = "bfloat16"
         gen = VLLMGenerator(model_path, tokenizer, **engine_kwargs)
         if model is not None:
             gen.update_weights(model)  # the policy may differ from the files (resume, LoRA merged)
