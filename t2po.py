@@ -133,6 +133,11 @@ for _preset in ENV_PRESETS.values():
 # observation format, which drops the page header that repeats the instruction.
 ENV_PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
                                    tds_max_try=1)
+# TextWorld coin collector level 2 on a CPU (ours; docs/t2po.md): go through the exit the task names, take
+# the coin (2 turns). A weak RFT (4 expert episodes) so that RL has room; 2 tasks x 4 rollouts per step.
+ENV_PRESETS["textworld"] = dict(env_options='{"level": 2, "train_games": 16, "eval_games": 8}',
+                                tasks_per_step=2, eval_tasks=8, rft_episodes=4, rft_epochs=2, lr=2e-5,
+                                steps=4, tds_max_try=1)
 
 
 def apply_env_preset(args: Args, argv: list[str]) -> Args:
@@ -527,8 +532,12 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
 # Cold start: rejection-sampling fine-tuning (RFT)
 
 def expert_thought(action: str) -> str:
-    """A one-line reason for a WebShop-style expert action (the expert has none). Short on purpose: it and
-    the action must fit the CPU demo's response budget, and it leaves the thinking style open for RL."""
+    """A one-line reason for a WebShop or TextWorld expert action (the expert has none). Short on purpose:
+    it and the action must fit the CPU demo's response budget and leave the thinking style open for RL."""
+    if action.startswith("go "):  # TextWorld
+        return "The task says which way to go."
+    if action.startswith("take "):
+        return "The coin is here, so take it."
     if action.startswith("search["):
         return "Search for the product the task describes."
     if action == "click[buy now]":
@@ -720,6 +729,19 @@ def ppo_update(policy, optimizer, samples: list[dict], args: Args, rng: np.rando
 # ---------------------------------------------------------------------------------------------------
 
 @dist.entrypoint
+def make_task_env(name: str, options_json: str, seed: int) -> tuple[object, dict]:
+    """(env, the options every EnvPool copy gets). The run's seed is passed to envs that take one;
+    TextWorld takes none (its tasks are the game seeds)."""
+    options = {"seed": seed, **json.loads(options_json)}
+    try:
+        return make_env(name, **options), options
+    except TypeError as e:
+        if "'seed'" not in str(e) or "seed" in json.loads(options_json):
+            raise
+        options.pop("seed")
+        return make_env(name, **options), options
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = apply_env_preset(parse_args(Args, argv), argv)
@@ -741,8 +763,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
 
     try:
-        env_options = {"seed": args.seed, **json.loads(args.env_options)}
-        env = make_env(args.env, **env_options)
+        env, env_options = make_task_env(args.env, args.env_options, args.seed)
     except (ValueError, TypeError) as e:  # unknown env, bad JSON, unknown option
         raise SystemExit(f"t2po.py: --env {args.env} --env-options {args.env_options}: {e}") from None
     train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]

@@ -1,6 +1,7 @@
 """T²PO: uncertainty signal, TTI rule and its chunked generation, TDS, format, GiGPO advantages, PPO loss,
 RFT filter, and an end-to-end run. Expected numbers are worked out by hand in the comments."""
 
+import json
 import math
 
 import pytest
@@ -251,6 +252,30 @@ def test_env_presets_apply_the_paper_settings_but_flags_win():
     argv = ["--env", "alfworld"]
     args = t2po.apply_env_preset(parse_args(t2po.Args, argv), argv)
     assert (args.group_size, args.max_turns, args.max_new_tokens) == (8, 50, 500)
+
+
+def test_textworld_preset_is_the_cpu_setting_and_flags_win():
+    from common.cli import parse_args
+    argv = ["--env", "textworld", "--steps", "1"]
+    args = t2po.apply_env_preset(parse_args(t2po.Args, argv), argv)
+    assert json.loads(args.env_options) == {"level": 2, "train_games": 16, "eval_games": 8}
+    assert (args.tasks_per_step, args.group_size, args.max_new_tokens, args.rft_episodes) == (2, 4, 40, 4)
+    assert args.steps == 1
+
+
+def test_env_without_a_seed_option_is_built_without_it():
+    env, options = t2po.make_task_env("textworld", '{"level": 2, "train_games": 3}', seed=7)
+    assert options == {"level": 2, "train_games": 3} and env.tasks("train") == [0, 1, 2]
+    _, options = t2po.make_task_env("toy", "{}", seed=7)
+    assert options == {"seed": 7}
+    with pytest.raises(TypeError):  # a wrong option still fails
+        t2po.make_task_env("textworld", '{"levle": 2}', seed=7)
+
+
+def test_expert_thought_for_textworld_commands():
+    assert t2po.expert_thought("go west") == "The task says which way to go."
+    assert t2po.expert_thought("take coin") == "The coin is here, so take it."
+    assert t2po.expert_thought("click[buy now]") == "This item fits the task, so buy it."
 
 
 # ---- TTI generation: chunked == online, under position-keyed sampling seeds ------------------------
