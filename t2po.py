@@ -16,6 +16,7 @@ Before RL a rejection-sampling fine-tune (RFT) teaches the format from successfu
 Run:
     python t2po.py                                # CPU demo: RFT then RL on webshop-lite, ~15 min
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
+    python t2po.py --env textworld                # TextWorld level 2: RL gain, ~22 min (docs/t2po.md)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B --dry-run   # memory plan
 Read beside docs/t2po.md (equations next to the lines that implement them).
