@@ -104,6 +104,8 @@ class Args:
     kl_coef: float = field(default=0.0, metadata={"help": "low-var KL to the initial policy (0 = off)"})
     ppo_minibatch: int = field(default=32, metadata={"help": "turn samples per optimizer step"})
     micro_batch: int = field(default=4, metadata={"help": "turn samples per forward pass"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in backward (on in the paper presets: docs/scaling.md)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
     # cold start
     rft: bool = field(default=True, metadata={"help": "RFT cold start before RL"})
@@ -129,7 +131,8 @@ ENV_PRESETS: dict[str, dict] = {
                    history_length=4, tti_max_think=450, eval_tasks=256, steps=150, rft=False),
 }
 for _preset in ENV_PRESETS.values():
-    _preset.update(max_obs_chars=100_000, ppo_minibatch=128, micro_batch=8, lora_rank=0, temperature=1.0)
+    _preset.update(max_obs_chars=100_000, ppo_minibatch=128, micro_batch=8, lora_rank=0, temperature=1.0,
+                   gradient_checkpointing=True)
 # The CPU demo (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
 # observation format, which drops the page header that repeats the instruction.
 ENV_PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
@@ -754,7 +757,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dry_run:  # memory plan per rank, no weights loaded
         from common.plan import print_plan
         print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=4096 + args.max_new_tokens,
-                   micro_batch=args.micro_batch, backend=args.backend)
+                   micro_batch=args.micro_batch, backend=args.backend,
+                   gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
+                   vllm_dtype="bfloat16")  # the engine decodes in bf16 on GPU and sleeps in training
         return {}
     os.makedirs(args.out, exist_ok=True)
     if main_rank:
@@ -769,7 +774,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"t2po.py: --env {args.env} --env-options {args.env_options}: {e}") from None
     train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
     try:
-        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank, device=device)
+        model, tokenizer = load_policy(args.model, lora_rank=args.lora_rank, device=device,
+                                       gradient_checkpointing=args.gradient_checkpointing)
         generator = make_generator(args.backend, model, tokenizer, resolve_model_path(args.model))
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
         raise SystemExit(str(e)) from None
@@ -862,6 +868,7 @@ def main(argv: list[str] | None = None) -> dict:
         groups = [i // args.group_size for i in ids]
         episodes, stats = rollout(generator, tokenizer, train_pool, [train_tasks[picks[g]] for g in groups],
                                   groups, args, step=step, train=True, temperature=args.temperature, keys=ids)
+        generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
         advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_norm)
         samples = []
         for ep, adv in zip(episodes, advantages, strict=True):

@@ -248,6 +248,7 @@ def test_env_presets_apply_the_paper_settings_but_flags_win():
     args = t2po.apply_env_preset(parse_args(t2po.Args, argv), argv)
     assert (args.tasks_per_step, args.max_turns, args.max_new_tokens, args.lr) == (16, 15, 300, 1e-6)
     assert (args.temperature, args.tds_max_try, args.reward) == (1.0, 2, "success")  # not the CPU demo's
+    assert args.gradient_checkpointing  # 4B at 8 x 4k tokens does not train without it (docs/scaling.md)
     assert args.group_size == 2 and args.tti is False
     argv = ["--env", "alfworld"]
     args = t2po.apply_env_preset(parse_args(t2po.Args, argv), argv)
