@@ -1,16 +1,14 @@
 """ARPO: step entropy, branch rule, rollout-tree budget, advantage attribution, dual-clip loss."""
 
-import importlib.util
 import json
 import math
 import os
 import random
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torchrun_util import DIST_SCRIPTS, ROOT, assert_ranks_match_one_process, torchrun
 
 import arpo
 from common import models
@@ -463,35 +461,13 @@ def test_cold_start_sft_masks_result_tokens():
 # ---------------------------------------------------------------------------------------------------
 # torchrun: 2 ranks on CPU (gloo)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
 @pytest.mark.slow
 def test_torchrun_update_equals_single_process(tmp_path):
-    out = tmp_path / "params.pt"
-    proc = torchrun(os.path.join(ROOT, "tests", "dist_scripts", "arpo_update.py"), str(out))
+    out, script = tmp_path / "params.pt", os.path.join(DIST_SCRIPTS, "arpo_update.py")
+    proc = torchrun(script, str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranked = torch.load(out)
-    assert ranked["world"] == 2
-    assert ranked["agree"] == [True, True]  # every parameter bit-identical on both ranks after each step
-    spec = importlib.util.spec_from_file_location("arpo_update", os.path.join(ROOT, "tests", "dist_scripts",
-                                                                              "arpo_update.py"))
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    single, _ = worker.train(shard=False)  # one process, the whole rollout list, the same update function
     start, _ = models.load_policy(models.TINY_MODEL, dtype="float64")
-    for step in range(2):
-        moved = 0
-        for got, want, before in zip(ranked["params"][step], single[step], start.parameters(), strict=True):
-            assert torch.allclose(got, want, rtol=0, atol=1e-9), (step, (got - want).abs().max())
-            moved += int(not torch.equal(want, before))
-        assert moved > 0  # the update did something to compare
+    assert_ranks_match_one_process(str(out), script, list(start.parameters()))
 
 
 @pytest.mark.slow

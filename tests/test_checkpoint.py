@@ -1,14 +1,12 @@
-import importlib.util
 import json
 import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from torchrun_util import DIST_SCRIPTS, load_script, torchrun
 
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.models import TINY_MODEL, load_policy, merged_state_dict
@@ -120,21 +118,6 @@ def test_no_checkpoint_returns_none(tmp_path):
     assert load_checkpoint(str(tmp_path), torch.nn.Linear(1, 1), None) is None
 
 
-def _torchrun(script: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tests", "dist_scripts", script), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _dist_script(name: str):
-    path = os.path.join(ROOT, "tests", "dist_scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _optimizer_by_name(model, optimizer) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: s for p, s in optimizer.state.items()}
@@ -150,14 +133,15 @@ def _assert_same_optimizer(got: dict, want: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 2])
 def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process_and_back(tmp_path, lora_rank):
-    script = _dist_script("fsdp2_checkpoint")
+    script = load_script(os.path.join(DIST_SCRIPTS, "fsdp2_checkpoint.py"))
     # a checkpoint written by ONE process, which the 2 FSDP2 ranks resume first
     model = script.make(lora_rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     script.train_step(model, optimizer, [0, 1, 2, 3], 4 * 11, 1)
     save_checkpoint(str(tmp_path / "single"), 1, model, optimizer, Args())
 
-    proc = _torchrun("fsdp2_checkpoint.py", str(tmp_path), str(lora_rank), str(tmp_path / "single"))
+    proc = torchrun(os.path.join(DIST_SCRIPTS, "fsdp2_checkpoint.py"), str(tmp_path), str(lora_rank),
+                    str(tmp_path / "single"))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     from_one = torch.load(tmp_path / "from_one.pt")  # what the 2 ranks hold after resuming, gathered

@@ -1,11 +1,10 @@
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch.multiprocessing as mp
+from torchrun_util import DIST_SCRIPTS, torchrun
 
 from common import dist
 
@@ -48,18 +47,11 @@ def test_two_ranks_over_gloo():
     assert results[1] == (False, 2, expected)
 
 
-def _torchrun(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tests", "dist_scripts", script), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_torchrun_step_equals_single_process(tmp_path, strategy):
     out = tmp_path / "result.json"
-    proc = _torchrun("collectives.py", str(out), strategy)
+    proc = torchrun(os.path.join(DIST_SCRIPTS, "collectives.py"), str(out), strategy)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["shards"] == [[0, 2, 4], [1, 3]]  # whole items, round-robin
@@ -75,7 +67,8 @@ def test_torchrun_step_equals_single_process(tmp_path, strategy):
 @pytest.mark.slow
 def test_one_failing_rank_stops_all_with_its_message():
     start = time.monotonic()
-    proc = _torchrun("fail_one_rank.py")  # rank 0 waits in a barrier with a 600 s timeout
+    # rank 0 waits in a barrier with a 600 s timeout
+    proc = torchrun(os.path.join(DIST_SCRIPTS, "fail_one_rank.py"))
     assert proc.returncode != 0
     assert "[rank 1] ValueError: rank one broke on purpose" in proc.stderr
     assert time.monotonic() - start < 60

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torchrun_util import DIST_SCRIPTS, ROOT, assert_ranks_match_one_process, torchrun
 
 import loop
 
@@ -307,42 +308,15 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
 
 # ---------------------------------------------------------------- torchrun (2 ranks, gloo)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _torchrun(*args: str, timeout: int = 300):
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
 @pytest.mark.slow
 def test_torchrun_update_equals_single_process(tmp_path):
-    import importlib.util
-
     from common import models
 
-    out = tmp_path / "params.pt"
-    script = os.path.join(ROOT, "tests", "dist_scripts", "loop_update.py")
-    proc = _torchrun(script, str(out))
+    out, script = tmp_path / "params.pt", os.path.join(DIST_SCRIPTS, "loop_update.py")
+    proc = torchrun(script, str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranked = torch.load(out)
-    assert ranked["world"] == 2
-    assert ranked["agree"] == [True, True]  # every parameter bit-identical on both ranks after each step
-    spec = importlib.util.spec_from_file_location("loop_update", script)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    single, _ = worker.train(shard=False)  # one process, the whole rollout list, the same functions
     start, _ = models.load_policy(models.TINY_MODEL, dtype="float64")
-    for step in range(2):
-        moved = 0
-        for got, want, before in zip(ranked["params"][step], single[step], start.parameters(), strict=True):
-            assert torch.allclose(got, want, rtol=0, atol=1e-9), (step, (got - want).abs().max())
-            moved += int(not torch.equal(want, before))
-        assert moved > 0  # the update did something to compare
+    assert_ranks_match_one_process(str(out), script, list(start.parameters()))
 
 
 @pytest.mark.slow
@@ -350,7 +324,7 @@ def test_torchrun_training_run_logs_global_metrics_and_resumes_on_one_process(tm
     out = tmp_path / "run"
     # 3 tasks on 2 ranks (2 + 1) x K=2: every training line counts all 6 rollouts, logged once
     flags = [*TOY, "--tasks-per-step", "3", "--group-size", "2", "--minibatch-size", "4", "--out", str(out)]
-    proc = _torchrun(os.path.join(ROOT, "loop.py"), *flags, "--steps", "2")
+    proc = torchrun(os.path.join(ROOT, "loop.py"), *flags, "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in lines if "reward_mean" in x]

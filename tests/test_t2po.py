@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torchrun_util import DIST_SCRIPTS, ROOT, load_script, torchrun_command, torchrun_env
 
 import t2po
 
@@ -198,24 +199,16 @@ def test_torchrun_update_equals_single_process(tmp_path):
     """tests/dist_scripts/t2po_update.py: 2 ranks (3 groups: 2 on rank 0, 1 on rank 1, so rank 1 pads with
     a zero-weight micro-batch) give identical parameters on both ranks after each of 2 iterations, equal to
     one process trained on all the samples."""
-    import importlib.util
     import os
     import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "tests", "dist_scripts", "t2po_update.py")
-    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    script = os.path.join(DIST_SCRIPTS, "t2po_update.py")
     single, multi = tmp_path / "single", tmp_path / "multi"
     single.mkdir()
     multi.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", script,
-           str(multi)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    spec = importlib.util.spec_from_file_location("t2po_update", script)  # the same script, one process,
-    worker = importlib.util.module_from_spec(spec)                        # here while torchrun runs
-    spec.loader.exec_module(worker)
-    worker.main(str(single))
+    proc = subprocess.Popen(torchrun_command(script, str(multi)), env=torchrun_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    load_script(script).main(str(single))  # the same script in one process, here while torchrun runs
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     for it in range(2):
@@ -416,18 +409,14 @@ def test_torchrun_script_end_to_end_then_resume_on_one_rank(tmp_path):
     import json
     import os
     import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = ["--env", "toy", "--model", "tiny-random", "--no-rft", "--group-size", "2",
             "--tasks-per-step", "3",
             "--max-turns", "2", "--max-new-tokens", "12", "--tti-chunk", "8", "--tti-min-think", "4",
             "--lr", "1e-3", "--eval-tasks", "2", "--reward", "env", "--save-every", "1", "--steps", "2"]
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(root, "t2po.py"), *argv, "--out", multi]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(torchrun_command(os.path.join(ROOT, "t2po.py"), *argv, "--out", multi),
+                            env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t2po.main(argv + ["--threads", "1", "--out", single])  # meanwhile, the same run in one process
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]

@@ -15,6 +15,7 @@ import random
 import sys
 
 import torch
+from worker import ranks_agree, save_ranked
 
 import loop
 from common import dist
@@ -61,19 +62,9 @@ def train(shard: bool) -> tuple[list[list[torch.Tensor]], list[bool]]:
         stats = loop.loop_update(policy, optimizer, kept, kept_adv, ARGS, shuffle, tokenizer.pad_token_id)
         assert stats["gradient_steps"] == {1: 4, 2: 2}[iteration], stats  # ceil(kept / 4) x 2 epochs
         params.append([p.detach().clone() for p in model.parameters()])
-        same = [torch.equal(dist.all_reduce(p, "max"), dist.all_reduce(p, "min")) for p in params[-1]]
-        agree.append(all(same))
+        agree.append(ranks_agree(params[-1]))
     return params, agree
 
 
-@dist.entrypoint
-def main(out_path: str) -> None:
-    dist.init(timeout_s=120)
-    params, agree = train(shard=True)
-    if dist.is_main():
-        torch.save({"params": params, "agree": agree, "world": dist.world_size()}, out_path)
-    dist.cleanup()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1])
+    save_ranked(train, sys.argv[1])

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import torch
+from worker import ranks_agree
 
 import t2po
 from common import dist
@@ -48,7 +49,7 @@ def main(out: str) -> None:
     for it in range(2):
         stats = t2po.ppo_update(policy, optimizer, [dict(s) for s in mine], args, np.random.default_rng(it))
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        agree = torch.equal(dist.all_reduce(flat, "max"), dist.all_reduce(flat, "min"))
+        agree = ranks_agree([flat])
         if dist.is_main():
             torch.save({"params": flat, "agree": agree, "stats": stats, "world": dist.world_size(),
                         "local_samples": len(mine)}, os.path.join(out, f"step{it}.pt"))

@@ -1,0 +1,54 @@
+"""Shared by the tests that run code under torchrun (2 ranks, gloo, on the CPU) and compare it with one
+process: the launcher, the loader of a worker script, and the rank-vs-one-process parameter check."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIST_SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
+
+
+def torchrun_command(*args: str) -> list[str]:
+    """`torchrun --nproc-per-node 2` (spelled out: `--nproc` is ambiguous on Python 3.11)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args]
+
+
+def torchrun_env() -> dict:
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a script (its path first) and its arguments on 2 ranks; wait for it."""
+    return subprocess.run(torchrun_command(*args), env=torchrun_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def load_script(path: str):
+    """Import a worker script as a module, so the test runs its very functions in this process."""
+    if DIST_SCRIPTS not in sys.path:  # the scripts import their shared tail (`worker.py`) as a sibling
+        sys.path.insert(0, DIST_SCRIPTS)
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_ranks_match_one_process(ranked_path: str, script: str, start: list[torch.Tensor],
+                                   steps: int = 2, atol: float = 1e-9) -> None:
+    """The 2-rank run saved by `worker.save_ranked` agrees bit for bit across ranks after every step and
+    equals the script's `train(shard=False)` in this process; each step moved the weights from `start`."""
+    ranked = torch.load(ranked_path)
+    assert ranked["world"] == 2
+    assert ranked["agree"] == [True] * steps  # every parameter bit-identical on both ranks after each step
+    single, _ = load_script(script).train(shard=False)  # one process, every rollout, the same functions
+    for step in range(steps):
+        moved = 0
+        for got, want, before in zip(ranked["params"][step], single[step], start, strict=True):
+            assert torch.allclose(got, want, rtol=0, atol=atol), (step, (got - want).abs().max())
+            moved += int(not torch.equal(want, before))
+        assert moved > 0  # the update did something to compare
