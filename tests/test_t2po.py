@@ -248,8 +248,10 @@ def test_env_presets_apply_the_paper_settings_but_flags_win():
     assert (args.group_size, args.max_turns, args.max_new_tokens) == (8, 50, 500)
 
 
-def test_textworld_preset_is_the_cpu_setting_and_flags_win():
+def test_textworld_preset_is_the_default_run_and_flags_win():
     from common.cli import parse_args
+    args = t2po.apply_env_preset(parse_args(t2po.Args, []), [])  # `python t2po.py`, the `make demo` run
+    assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (3, 2e-5, 1, True)
     argv = ["--env", "textworld", "--steps", "1"]
     args = t2po.apply_env_preset(parse_args(t2po.Args, argv), argv)
     assert json.loads(args.env_options) == {"level": 2, "train_games": 16, "eval_games": 8}
