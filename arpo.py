@@ -28,7 +28,6 @@ differ by one flag at the same rollout budget.
     python arpo.py                       # SmolLM2-135M on the offline `tools` tasks, CPU, ~15 min
     python arpo.py --rollout global      # the GRPO baseline
     python arpo.py --preset paper        # the paper's rollout settings (M=16, N=8, k=20, ...)
-    python arpo.py --max-new-tokens 256  # look-up (search) demonstrations fit too: slower
     python arpo.py --env toy --model tiny-random --steps 10   # seconds: plumbing check
     torchrun --nproc-per-node 8 arpo.py --backend vllm --model <SFT'd model>   # questions sharded over ranks
 
@@ -98,9 +97,11 @@ class Args:
     kl_coef: float = field(default=0.0, metadata={"help": "KL(pi || ref) penalty (k3); 0 = off (code)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (code: 1.0)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (code: 1.0)"})
-    max_new_tokens: int = field(default=192, metadata={
-        "help": "response budget per rollout, <result> tokens included (code: 4096); the cold start "
-                "demonstrates look-ups only from 256 up"})
+    max_new_tokens: int = field(default=256, metadata={
+        "help": "response budget per rollout, <result> tokens included (code: 4096; ours: with one passage "
+                "per search every expert demonstration fits, the longest in 254)"})
+    search_topk: int = field(default=1, metadata={"help": "passages per <search> result (ours: 1 on the CPU "
+                                                        "so that look-ups fit the budget; environment: 3)"})
     max_turns: int = field(default=0, metadata={"help": "unused: ARPO writes one response per question; "
                                                         "--max-tool-calls bounds its tool turns"})
     eval_every: int = field(default=0, metadata={"help": "greedy held-out eval every N steps (0: start/end)"})
@@ -119,7 +120,7 @@ class Args:
     cold_start: bool = field(default=True, metadata={
         "help": "SFT on a scripted expert's demonstrations before RL (the paper: Tool-Star SFT); offline "
                 "`tools` tasks only, skipped elsewhere"})
-    cold_start_examples: int = field(default=48, metadata={"help": "training questions demonstrated"})
+    cold_start_examples: int = field(default=32, metadata={"help": "training questions demonstrated"})
     cold_start_epochs: int = field(default=1, metadata={"help": "SFT epochs over the demonstrations"})
     cold_start_lr: float = field(default=1e-4, metadata={"help": "SFT learning rate (AdamW)"})
     max_minutes: float = field(default=14.0, metadata={"help": "stop training early when the next step and "
@@ -129,7 +130,7 @@ class Args:
 # The paper's rollout settings (official scripts, 7B/8B) -- one flag away.
 PAPER_PRESET = dict(group_size=16, initial_rollouts=8, branch_k=20, beta=0.2, tau=0.5, fork_z=1,
                     max_tool_calls=5, lr=1e-6, tasks_per_step=128, minibatches=8, max_new_tokens=4096,
-                    max_minutes=0.0, cold_start=False,
+                    max_minutes=0.0, cold_start=False, search_topk=3,  # top-k: not in the paper; env's
                     gradient_checkpointing=True)  # bring the SFT'd model with --model
 
 TOOL_TAGS = ("python", "search")
@@ -773,7 +774,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         # ARPO answers in one response; the toy game (tests only) is then played in one turn.
-        env = make_env(args.env, seed=args.seed, **({"turns": 1} if args.env == "toy" else {}))
+        options = {"turns": 1} if args.env == "toy" else {"topk": args.search_topk} \
+            if args.env in ("tools", "search") else {}
+        env = make_env(args.env, seed=args.seed, **options)
     except ValueError as e:
         sys.exit(f"error: {e}")
     try:

@@ -401,6 +401,8 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     default = arpo.apply_preset(arpo.parse_args(arpo.Args, []), [])
     assert (default.group_size, default.initial_rollouts, default.rollout, default.attribution) == (
         4, 2, "arpo", "soft")
+    # the CPU run: one passage per search, so every kind of question fits the 256-token response budget
+    assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 
 
 # ---------------------------------------------------------------------------------------------------
