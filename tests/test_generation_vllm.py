@@ -52,7 +52,12 @@ def setup(tmp_path_factory):
     import llvmlite.binding.ffi  # noqa: F401
 
     engine = make_generator("vllm", model, tokenizer, folder, max_model_len=256, enforce_eager=True)
-    return model, tokenizer, engine, HFGenerator(model, tokenizer), free
+    yield model, tokenizer, engine, HFGenerator(model, tokenizer), free
+    # The in-process engine joined a torch.distributed group; later tests (a script's dist.cleanup())
+    # destroy every group, and vLLM's own exit-time shutdown then failed on it ("Invalid process group
+    # specified", printed after pytest's summary). Tear vLLM's groups down here, while they still exist.
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()
 
 
 def ids(out: list[list[Sample]]) -> list[list[list[int]]]:
