@@ -733,20 +733,21 @@ def ppo_update(policy, optimizer, samples: list[dict], args: Args, rng: np.rando
 
 # ---------------------------------------------------------------------------------------------------
 
-@dist.entrypoint
 def make_task_env(name: str, options_json: str, seed: int) -> tuple[object, dict]:
     """(env, the options every EnvPool copy gets). The run's seed is passed to envs that take one;
     TextWorld takes none (its tasks are the game seeds)."""
-    options = {"seed": seed, **json.loads(options_json)}
+    given = json.loads(options_json)
+    options = {"seed": seed, **given}
     try:
         return make_env(name, **options), options
     except TypeError as e:
-        if "'seed'" not in str(e) or "seed" in json.loads(options_json):
+        if "'seed'" not in str(e) or "seed" in given:
             raise
         options.pop("seed")
         return make_env(name, **options), options
 
 
+@dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     t_begin = time.time()
     argv = sys.argv[1:] if argv is None else argv
