@@ -732,6 +732,8 @@ def check_args(args: Args) -> None:
                  f"({args.group_size})")
     if args.minibatches < 1 or args.micro_batch_size < 1 or args.tasks_per_step < 1:
         sys.exit("error: --minibatches, --micro-batch-size and --tasks-per-step must be >= 1")
+    if args.search_topk < 1:  # 0 would turn every search into "No results found."
+        sys.exit(f"error: --search-topk must be >= 1 (got {args.search_topk})")
 
 
 def step_rng(seed: int, step: int) -> random.Random:
@@ -774,8 +776,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         # ARPO answers in one response; the toy game (tests only) is then played in one turn.
-        options = {"turns": 1} if args.env == "toy" else {"topk": args.search_topk} \
-            if args.env in ("tools", "search") else {}
+        options = {"turns": 1} if args.env == "toy" else {}
+        if args.env in ("tools", "search"):  # the envs with a retriever
+            options["topk"] = args.search_topk
         env = make_env(args.env, seed=args.seed, **options)
     except ValueError as e:
         sys.exit(f"error: {e}")

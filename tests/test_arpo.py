@@ -405,6 +405,11 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 
 
+def test_search_topk_below_one_is_a_clear_error():
+    with pytest.raises(SystemExit, match="--search-topk must be >= 1"):
+        arpo.main(["--search-topk", "0"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # cold start: the scripted expert and its SFT
 
