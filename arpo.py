@@ -736,6 +736,14 @@ def check_args(args: Args) -> None:
         sys.exit(f"error: --search-topk must be >= 1 (got {args.search_topk})")
 
 
+def env_options(args: Args) -> dict:
+    # ARPO answers in one response; the toy game (tests only) is then played in one turn.
+    options = {"turns": 1} if args.env == "toy" else {}
+    if args.env in ("tools", "search"):  # the envs with a retriever
+        options["topk"] = args.search_topk
+    return options
+
+
 def step_rng(seed: int, step: int) -> random.Random:
     """The sampling randomness of one training step (rollout seeds, fork draws, mini-batch order): from the
     rank's seed and the step alone, so ranks sample different rollouts and a resume, on any number of
@@ -775,11 +783,7 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(asdict(args), f, indent=2)
 
     try:
-        # ARPO answers in one response; the toy game (tests only) is then played in one turn.
-        options = {"turns": 1} if args.env == "toy" else {}
-        if args.env in ("tools", "search"):  # the envs with a retriever
-            options["topk"] = args.search_topk
-        env = make_env(args.env, seed=args.seed, **options)
+        env = make_env(args.env, seed=args.seed, **env_options(args))
     except ValueError as e:
         sys.exit(f"error: {e}")
     try:

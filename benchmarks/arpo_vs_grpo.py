@@ -36,7 +36,7 @@ def cold_start_model(flags: list[str], folder: str) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    env = make_env(args.env, seed=args.seed)
+    env = make_env(args.env, seed=args.seed, **arpo.env_options(args))  # e.g. --search-topk, as arpo.py
     model, tokenizer = load_policy(args.model)
     arpo.run_cold_start(model, tokenizer, env, env.tasks("train"), args, random.Random(args.seed))
     model.save_pretrained(folder + ".tmp")

@@ -405,6 +405,16 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 
 
+def test_search_topk_sets_the_passages_per_search_result():
+    from envs.base import make_env
+    for argv, passages in (([], 1), (["--search-topk", "3"], 3)):
+        args = arpo.parse_args(arpo.Args, argv)
+        env = make_env("tools", seed=0, **arpo.env_options(args))
+        result = env.execute_tool("search", "population of the city of Quibri")
+        assert [line.startswith(f"Doc {i + 1} ") for i, line in enumerate(result.splitlines())] == \
+            [True] * passages, result
+
+
 def test_search_topk_below_one_is_a_clear_error():
     with pytest.raises(SystemExit, match="--search-topk must be >= 1"):
         arpo.main(["--search-topk", "0"])
