@@ -871,6 +871,7 @@ def main(argv: list[str] | None = None) -> dict:
         groups = [i // args.group_size for i in ids]
         episodes, stats = rollout(generator, tokenizer, train_pool, [train_tasks[picks[g]] for g in groups],
                                   groups, args, step=step, train=True, temperature=args.temperature, keys=ids)
+        t_rollout = time.time() - t0
         generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
         advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_norm)
         samples = []
@@ -882,7 +883,9 @@ def main(argv: list[str] | None = None) -> dict:
         update = ppo_update(policy, optimizer, samples, args, update_rng, reference)
         generator.update_weights(model)  # each rank's own generator samples from the new policy
         line = {"step": step + 1, **summarise(episodes, stats, gather=True), **update,
-                "time_s": round(time.time() - t_start, 1), "step_time_s": round(time.time() - t0, 1)}
+                "time_s": round(time.time() - t_start, 1), "step_time_s": round(time.time() - t0, 1),
+                "time_rollout_s": round(t_rollout, 1),  # the rest of step_time_s: advantages + update
+                "time_update_s": round(time.time() - t0 - t_rollout, 1)}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             line.update(report(f"step {step + 1}", step + 1))
         logger.log(line)

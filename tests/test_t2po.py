@@ -347,7 +347,7 @@ def test_chunked_tti_equals_online_rule_token_for_token(tiny):
 
 TRAIN_KEYS = ("step", "reward_mean", "success_rate", "num_tokens", "time_s", "loss", "score", "clip_fraction",
               "tokens_per_turn", "think_tokens_per_turn", "turns_per_episode", "tti_interventions",
-              "tds_resamples", "invalid_format_rate")
+              "tds_resamples", "invalid_format_rate", "time_rollout_s", "time_update_s")
 
 
 @pytest.mark.slow
