@@ -22,7 +22,9 @@ from torch import nn
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    # torchrun with several ranks, not merely an initialised default group: vLLM's in-process engine
+    # initialises a one-rank group of its own in a plain single process.
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1 and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
@@ -149,6 +151,11 @@ def barrier() -> None:
 
 
 def cleanup() -> None:
+    """Leave the process group. vLLM's engine (the vllm backend) built its groups on it: they go first,
+    or vLLM's exit-time shutdown fails on the destroyed group with a traceback after the run."""
+    vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_groups is not None and vllm_groups.model_parallel_is_initialized():
+        vllm_groups.cleanup_dist_env_and_memory()  # also destroys the default group
     if is_distributed():
         dist.destroy_process_group()
 

@@ -53,9 +53,9 @@ def setup(tmp_path_factory):
 
     engine = make_generator("vllm", model, tokenizer, folder, max_model_len=256, enforce_eager=True)
     yield model, tokenizer, engine, HFGenerator(model, tokenizer), free
-    # The in-process engine joined a torch.distributed group; later tests (a script's dist.cleanup())
-    # destroy every group, and vLLM's own exit-time shutdown then failed on it ("Invalid process group
-    # specified", printed after pytest's summary). Tear vLLM's groups down here, while they still exist.
+    # The in-process engine initialised a torch.distributed group; later tests in this process that
+    # destroy the default group would make vLLM's exit-time shutdown fail ("Invalid process group
+    # specified", printed after pytest's summary). Tear vLLM's groups down with the engine.
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     cleanup_dist_env_and_memory()
 
@@ -157,20 +157,37 @@ def test_prompt_longer_than_context_is_a_clear_error(setup):
         engine.generate([[5] * 256], max_new_tokens=4)
 
 
-def test_one_engine_per_rank_under_torchrun_follows_the_update(tmp_path):
-    """2 ranks, each with its own engine (external_launcher, tensor-parallel 1) and its own prompt; ranks
-    call generate a different number of times; the same update on both ranks reaches both engines."""
+def run_engine_script(out, nproc: int):
+    """tests/dist_scripts/vllm_external_launcher.py in a fresh process (torchrun when nproc > 1); it ends
+    with dist.cleanup(), as the scripts do. Returns the finished process and each rank's results."""
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(root, "tests", "dist_scripts", "vllm_external_launcher.py"), str(tmp_path)]
+    script = os.path.join(root, "tests", "dist_scripts", "vllm_external_launcher.py")
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+    cmd = [sys.executable, *(torchrun if nproc > 1 else []), script, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # DP=2 hung
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "result.json").read_text())
+    return proc, json.loads((out / "result.json").read_text())
+
+
+def test_a_single_process_run_ends_without_a_traceback(tmp_path):
+    """vLLM's engine initialises a one-rank torch.distributed group in a plain process. dist.cleanup() at
+    a script's end must not destroy it under vLLM: its exit-time shutdown then printed "ValueError:
+    Invalid process group specified" after every `--backend vllm` run."""
+    proc, results = run_engine_script(tmp_path, nproc=1)
+    assert len(results) == 1 and results[0]["vllm_after"] == results[0]["hf_after"]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_one_engine_per_rank_under_torchrun_follows_the_update(tmp_path):
+    """2 ranks, each with its own engine (external_launcher, tensor-parallel 1) and its own prompt; ranks
+    call generate a different number of times; the same update on both ranks reaches both engines."""
+    proc, results = run_engine_script(tmp_path, nproc=2)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # the groups are left in order at the end
     assert len(results) == 2
     for r in results:
         assert r["vllm_before"] == r["hf_before"] and len(r["vllm_before"]) == 8
