@@ -884,7 +884,7 @@ def main(argv: list[str] | None = None) -> dict:
         generator.update_weights(model)  # each rank's own generator samples from the new policy
         line = {"step": step + 1, **summarise(episodes, stats, gather=True), **update,
                 "time_s": round(time.time() - t_start, 1), "step_time_s": round(time.time() - t0, 1),
-                "time_rollout_s": round(t_rollout, 1),  # the rest of step_time_s: advantages + update
+                "time_rollout_s": round(t_rollout, 1),  # the rest: advantages, update, weight push
                 "time_update_s": round(time.time() - t0 - t_rollout, 1)}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             line.update(report(f"step {step + 1}", step + 1))
