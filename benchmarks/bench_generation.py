@@ -85,7 +85,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backends", nargs="+", default=["raw-hf", "hf", "raw-vllm", "vllm"])
-    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM without torch.compile, as our backend runs on CPU (without it: compiled)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch and vLLM (0: their defaults); 1 is steadier when shared")
     args = p.parse_args()
