@@ -331,8 +331,8 @@ class VLLMGenerator:
                       max_logprobs=max(entropy_k, 20), max_model_len=max_model_len,
                       gpu_memory_utilization=gpu_memory_utilization or (0.5 if on_gpu else 0.3),
                       enable_sleep_mode=on_gpu if enable_sleep_mode is None else enable_sleep_mode,
-                      # CPU (ours): no torch.compile; the engine starts in 18 s instead of 147 s, decodes
-                      # ~1.3x slower, and t2po's default run takes 8.0 min instead of 10.2 (docs/t2po.md)
+                      # CPU (ours): no torch.compile; the engine starts in 18 s instead of 168 s, decodes
+                      # 1.3x slower, and t2po's default run takes 8.0 min instead of 10.2 (docs/t2po.md)
                       enforce_eager=not on_gpu)
         if under_torchrun():  # every rank owns its own engine (tensor-parallel 1)
             # No data_parallel_size: vLLM's DP ranks must call generate together (they all-reduce a
