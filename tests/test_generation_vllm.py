@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GB: keep the host-memory
 
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from common import dist  # noqa: E402
 from common.generation import HFGenerator, Sample, make_generator  # noqa: E402
 from common.models import TINY_MODEL, resolve_model_path  # noqa: E402
 
@@ -53,11 +54,10 @@ def setup(tmp_path_factory):
 
     engine = make_generator("vllm", model, tokenizer, folder, max_model_len=256)  # eager on CPU by default
     yield model, tokenizer, engine, HFGenerator(model, tokenizer), free
-    # The in-process engine initialised a torch.distributed group; later tests in this process that
-    # destroy the default group would make vLLM's exit-time shutdown fail ("Invalid process group
-    # specified", printed after pytest's summary). Tear vLLM's groups down with the engine.
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    cleanup_dist_env_and_memory()
+    # The in-process engine initialised a torch.distributed group; tear it down with the engine, as a
+    # script's end does, so no later test meets it (vLLM's exit-time shutdown then failed: "Invalid
+    # process group specified", printed after pytest's summary).
+    dist.cleanup()
 
 
 def ids(out: list[list[Sample]]) -> list[list[list[int]]]:
