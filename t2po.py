@@ -882,10 +882,12 @@ def main(argv: list[str] | None = None) -> dict:
         update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])  # minibatch order
         update = ppo_update(policy, optimizer, samples, args, update_rng, reference)
         generator.update_weights(model)  # each rank's own generator samples from the new policy
-        line = {"step": step + 1, **summarise(episodes, stats, gather=True), **update,
-                "time_s": round(time.time() - t_start, 1), "step_time_s": round(time.time() - t0, 1),
+        rollout_metrics = summarise(episodes, stats, gather=True)
+        t_step = time.time() - t0
+        line = {"step": step + 1, **rollout_metrics, **update,
+                "time_s": round(time.time() - t_start, 1), "step_time_s": round(t_step, 1),
                 "time_rollout_s": round(t_rollout, 1),  # the rest: advantages, update, weight push
-                "time_update_s": round(time.time() - t0 - t_rollout, 1)}
+                "time_update_s": round(t_step - t_rollout, 1)}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             line.update(report(f"step {step + 1}", step + 1))
         logger.log(line)
