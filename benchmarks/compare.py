@@ -9,17 +9,34 @@
 run at most two `run`s at once: torch beside another busy process slows far more than 2x), into
 runs/compare/<algo>/<arm>-s<seed>/, the script's own run folder (args.json, metrics.jsonl). A finished run
 gets a `done` file and is skipped next time, so `run` can be stopped and restarted; an unfinished folder
-is started over. Arguments after `--` go to every run of both arms. `report` reads only those folders,
-so the figures can be redrawn without re-running.
+is started over. Arguments after `--` go to every run of both arms.
+
+`report` reads only the finished folders (no re-running), so it can be redrawn at any time. Per algorithm
+it prints a markdown table (and writes it to --markdown): per arm the mean over seeds ± the 95% Student t
+half-width (n−1 dof), then the paired difference method − baseline over the seeds both arms finished (same
+seed: same tasks, same cold start), with its 95% interval and a verdict: "within noise" when the interval
+contains 0. Metrics marked ↓ are better lower (the papers claim fewer tokens per turn for T²PO's thinking
+cut, about half the tool calls for ARPO). "Held-out, before RL" is the policy RL starts from (after the cold
+start; the base model's without one): the same for every arm of a seed. It draws
+<figures>/compare_<algo>.png: the training curves (mean over seeds per step, shaded 95% band) and held-out
+success before and after RL per arm, with the command and the commit in the footer.
 """
 
 import argparse
+import math
 import os
 import shutil
 import subprocess
 import sys
+from collections import defaultdict
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common.plot import read_metrics, train_series  # noqa: E402
+
 # arm name -> the flags that make it; the first arm is the paper's method, the others its baselines
 ARMS = {
     "t2po": {"t2po": [], "gigpo": ["--no-tti", "--no-tds"]},
@@ -53,9 +70,213 @@ def run(algo: str, seeds: list[int], extra: list[str], root: str) -> None:
             open(os.path.join(out, "done"), "w").close()
 
 
+# t_{0.975, dof}: the two-sided 95% quantile of Student's t, dof 1..30 (no scipy here); past 30 the 30's
+# value, slightly wide (the normal's is 1.960)
+T975 = [math.nan, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052,
+        2.048, 2.045, 2.042]
+
+
+def interval(values: list[float]) -> tuple[float, float, int]:
+    """(mean, 95% half-width t_{0.975,n-1}·s/√n, n); the half-width is nan below two values."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, 0
+    mean = float(np.mean(values))
+    if n < 2:
+        return mean, math.nan, n
+    return mean, T975[min(n - 1, 30)] * float(np.std(values, ddof=1)) / math.sqrt(n), n
+
+
+def verdict(diffs: list[float], direction: int) -> str:
+    """Plain words for the paired differences method − baseline; direction -1: lower is better."""
+    mean, half, n = interval(diffs)
+    if n < 2:
+        return "too few seeds"
+    if mean - half <= 0 <= mean + half:
+        return "within noise"
+    return "method better" if (mean > 0) == (direction > 0) else "baseline better"
+
+
+def last(key: str):
+    """The value in the last row that has `key`: for eval/ keys, the held-out evaluation after RL."""
+    return lambda rows: next((r[key] for r in reversed(rows) if key in r), None)
+
+
+def before_rl(name: str):
+    """Held-out `name` of the policy RL starts from: after the cold start, else the base model's."""
+    def get(rows):
+        cold = last(f"eval_cold_start/{name}")(rows)
+        base = next((r[f"eval/{name}"] for r in rows if f"eval/{name}" in r), None)
+        return cold if cold is not None else base
+    return get
+
+
+def train_mean(key: str):
+    """Mean of a training metric over the RL steps (eval rows have only eval/ keys)."""
+    def get(rows):
+        values = train_series(rows, lambda r: r.get(key))[1]
+        return float(np.mean(values)) if values else None
+    return get
+
+
+def train_last(key: str):
+    return lambda rows: (train_series(rows, lambda r: r.get(key))[1] or [None])[-1]
+
+
+HELD_OUT = [("held-out success, before RL", before_rl("success_rate"), 1),
+            ("held-out success, after RL", last("eval/success_rate"), 1),
+            ("held-out reward, after RL", last("eval/reward_mean"), 1)]
+# algorithm -> (row label, value of one run's metrics rows, +1 higher is better / -1 lower is better)
+METRICS = {
+    "t2po": HELD_OUT[:2] + [
+        ("training success, mean over steps", train_mean("success_rate"), 1),
+        ("training success, last step", train_last("success_rate"), 1),
+        ("tokens per turn, training (mean over steps) ↓", train_mean("tokens_per_turn"), -1),
+        ("tokens per turn, held-out after RL ↓", last("eval/tokens_per_turn"), -1)],
+    "arpo": [
+        ("training reward, mean over steps", train_mean("reward_mean"), 1),
+        ("training reward, last step", train_last("reward_mean"), 1),
+        ("tool calls run per question, training (mean over steps) ↓",
+         train_mean("tool_calls/executed_per_question"), -1),
+        ("tool calls per question, held-out after RL ↓", last("eval/tool_calls_per_question"), -1),
+        *HELD_OUT],
+    "loop": HELD_OUT + [
+        ("training reward, mean over steps", train_mean("reward_mean"), 1),
+        ("training reward, last step", train_last("reward_mean"), 1)],
+}
+# algorithm -> the training metrics drawn as curves
+CURVES = {"t2po": ["success_rate", "tokens_per_turn"],
+          "arpo": ["reward_mean", "tool_calls/executed_per_question"],
+          "loop": ["reward_mean", "success_rate"]}
+
+
+def read_runs(root: str, algo: str) -> tuple[dict[str, dict[int, list[dict]]], int]:
+    """{arm: {seed: metrics rows}} of the finished run folders (those with a `done` file), and how many
+    unfinished folders were left out."""
+    runs, unfinished = defaultdict(dict), 0
+    folder = os.path.join(root, algo)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        arm, _, seed = name.rpartition("-s")
+        if arm not in ARMS[algo] or not seed.isdigit() or not os.path.isdir(os.path.join(folder, name)):
+            continue
+        if os.path.exists(os.path.join(folder, name, "done")):
+            runs[arm][int(seed)] = read_metrics(os.path.join(folder, name))
+        else:
+            unfinished += 1
+    return dict(runs), unfinished
+
+
+def fmt(mean: float, half: float, n: int, sign: bool = False) -> str:
+    if n == 0:
+        return "–"
+    d = 3 if abs(mean) < 10 else 1  # success rates to 0.001, token counts to 0.1
+    text = f"{mean:+.{d}f}" if sign else f"{mean:.{d}f}"
+    return f"{text} ± {half:.{d}f}" if n > 1 else f"{text} (1 seed)"
+
+
+def table(algo: str, runs: dict[str, dict[int, list[dict]]]) -> str:
+    """The markdown table: a row per metric; per arm mean ± half-width; per baseline the paired difference."""
+    arms = list(ARMS[algo])
+    method, baselines = arms[0], arms[1:]
+    header = ["metric"] + [f"{a} (n={len(runs.get(a, {}))})" for a in arms]
+    for b in baselines:
+        header += [f"{method} − {b}, paired", "verdict"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, get, direction in METRICS[algo]:
+        values = {a: {s: v for s, rows in runs.get(a, {}).items() if (v := get(rows)) is not None}
+                  for a in arms}  # arm -> {seed: value}
+        cells = [label] + [fmt(*interval(list(values[a].values()))) for a in arms]
+        for b in baselines:
+            seeds = sorted(values[method].keys() & values[b].keys())
+            diffs = [values[method][s] - values[b][s] for s in seeds]
+            cells += [fmt(*interval(diffs), sign=True), verdict(diffs, direction)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: str) -> None:
+    """Training curves (mean over seeds per step, shaded 95% band) and held-out success per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS[algo] if a in runs]
+    fig, axes = plt.subplots(1, len(CURVES[algo]) + 1, figsize=(5 * (len(CURVES[algo]) + 1), 4))
+    for ax, key in zip(axes, CURVES[algo], strict=False):
+        for i, arm in enumerate(arms):
+            by_step = defaultdict(list)  # step -> the seeds' values
+            for rows in runs[arm].values():
+                for step, value in zip(*train_series(rows, lambda r, k=key: r.get(k)), strict=True):
+                    by_step[step].append(value)
+            steps = sorted(by_step)
+            if not steps:
+                continue
+            mean, half, _ = np.array([interval(by_step[s]) for s in steps]).T
+            ax.plot(steps, mean, marker=".", color=f"C{i}", label=f"{arm} (n={len(runs[arm])})")
+            ax.fill_between(steps, mean - half, mean + half, color=f"C{i}", alpha=0.2)  # nan: no band
+        ax.set_title(f"training {key}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for i, arm in enumerate(arms):
+        for dx, label, (_, get, _), marker in [(-0.15, "before RL (after the cold start)", HELD_OUT[0], "^"),
+                                               (0.15, "after RL", HELD_OUT[1], "o")]:
+            values = [v for rows in runs[arm].values() if (v := get(rows)) is not None]
+            mean, half, _ = interval(values)
+            ax.errorbar(i + dx, mean, yerr=0 if math.isnan(half) else half, marker=marker, capsize=4,
+                        color=f"C{i}", label=label if i == 0 else None)
+            ax.plot([i + dx] * len(values), values, ".", color="grey", alpha=0.6)  # each seed
+    ax.set_xticks(range(len(arms)), arms)
+    ax.set_xlim(-0.5, len(arms) - 0.5)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("held-out success (mean, 95% interval; dots: seeds)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{algo}: {arms[0]} vs {', '.join(arms[1:])}, mean over seeds with 95% t intervals")
+    fig.text(0.01, 0.01, footer, fontsize=8, color="grey")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def report(algos: list[str], root: str, figures: str, markdown: str | None, command: str) -> str:
+    footer = f"{command}   (commit {git_commit()})"
+    parts = [f"`{footer}`"]
+    for algo in algos:
+        runs, unfinished = read_runs(root, algo)
+        skipped = f" ({unfinished} unfinished run folder(s) left out)" if unfinished else ""
+        if not runs:
+            parts.append(f"### {algo}: no finished runs under {os.path.join(root, algo)}{skipped}")
+            continue
+        os.makedirs(figures, exist_ok=True)
+        png = os.path.join(figures, f"compare_{algo}.png")
+        draw(algo, runs, png, footer)
+        parts.append(f"### {algo}{skipped}\n\n{table(algo, runs)}\n\nFigure: {png}")
+    text = "\n\n".join(parts) + "\n"
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    command = " ".join(["python benchmarks/compare.py", *argv])
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,9 +284,19 @@ def main(argv: list[str] | None = None) -> None:
     p_run.add_argument("algo", choices=sorted(ARMS))
     p_run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p_run.add_argument("--root", default=os.path.join(ROOT, "runs", "compare"))
+    p_report = sub.add_parser("report", help="table and figures from the finished run folders")
+    p_report.add_argument("algos", nargs="+", choices=sorted(ARMS))
+    p_report.add_argument("--root", default=os.path.join(ROOT, "runs", "compare"))
+    p_report.add_argument("--figures", default=os.path.join(ROOT, "docs", "figures"),
+                          help="folder for compare_<algo>.png")
+    p_report.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args.algo, args.seeds, extra, args.root)
+    elif extra:
+        raise SystemExit("compare.py report: arguments after -- are for `run` only")
+    else:
+        report(args.algos, args.root, args.figures, args.markdown, command)
 
 
 if __name__ == "__main__":
