@@ -266,7 +266,7 @@ def report(algos: list[str], root: str, figures: str, markdown: str | None, comm
         draw(algo, runs, png, footer)
         parts.append(f"### {algo}{skipped}\n\n{table(algo, runs)}\n\nFigure: {png}")
     text = "\n\n".join(parts) + "\n"
-    print(text)
+    print(text, end="")
     if markdown:
         with open(markdown, "w") as f:
             f.write(text)
