@@ -296,7 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     elif extra:
         raise SystemExit("compare.py report: arguments after -- are for `run` only")
     else:
-        report(args.algos, args.root, args.figures, args.markdown, command)
+        try:
+            report(args.algos, args.root, args.figures, args.markdown, command)
+        except OSError as e:  # --figures or --markdown: a folder that cannot be made or written
+            raise SystemExit(f"compare.py report: cannot write {e.filename} ({e.strerror or e})") from None
 
 
 if __name__ == "__main__":

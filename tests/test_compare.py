@@ -166,3 +166,10 @@ def test_report_writes_the_table_and_a_png_per_algorithm(tmp_path, capsys):
         assert matplotlib.image.imread(png).shape[:2] == (400, 1500)  # 3 panels of 5 x 4 inches, 100 dpi
     for colour in ("#1f77b4", "#ff7f0e", "#2ca02c"):  # token, turn, trajectory: C0, C1, C2
         assert _colour_pixels(tmp_path / "fig" / "compare_loop.png", colour, columns=500) > 100  # curves
+
+
+def test_unwritable_markdown_is_one_line(tmp_path):
+    _run(tmp_path, "loop", "token-s0", LOOP_ROWS, {})
+    with pytest.raises(SystemExit, match="compare.py report: cannot write .*missing/table.md"):
+        compare.main(["report", "loop", "--root", str(tmp_path), "--figures", str(tmp_path / "fig"),
+                      "--markdown", str(tmp_path / "missing" / "table.md")])
