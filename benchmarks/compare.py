@@ -16,8 +16,8 @@ it prints a markdown table (and writes it to --markdown): per arm the mean over 
 half-width (n−1 dof), then the paired difference method − baseline over the seeds both arms finished (same
 seed: same tasks, same cold start), with its 95% interval and a verdict: "within noise" when the interval
 contains 0. Metrics marked ↓ are better lower (the papers claim fewer tokens per turn for T²PO's thinking
-cut, about half the tool calls for ARPO). "Held-out, before RL" is the policy RL starts from (after the cold
-start; the base model's without one): the same for every arm of a seed. It draws
+cut, about half the tool calls for ARPO). "Before RL" is the held-out evaluation of the policy RL starts
+from (after the cold start; the base model's without one): the same for every arm of a seed. It draws
 <figures>/compare_<algo>.png: the training curves (mean over seeds per step, shaded 95% band) and held-out
 success before and after RL per arm, with the command and the commit in the footer.
 """
@@ -264,7 +264,8 @@ def report(algos: list[str], root: str, figures: str, markdown: str | None, comm
         os.makedirs(figures, exist_ok=True)
         png = os.path.join(figures, f"compare_{algo}.png")
         draw(algo, runs, png, footer)
-        parts.append(f"### {algo}{skipped}\n\n{table(algo, runs)}\n\nFigure: {png}")
+        shown = os.path.relpath(png, ROOT) if png.startswith(ROOT + os.sep) else png  # no machine paths
+        parts.append(f"### {algo}{skipped}\n\n{table(algo, runs)}\n\nFigure: {shown}")
     text = "\n\n".join(parts) + "\n"
     print(text, end="")
     if markdown:
