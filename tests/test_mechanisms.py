@@ -1,0 +1,35 @@
+"""benchmarks/mechanisms.py's pure parts: LOOP's filter counts from metrics.jsonl lines, and the relative
+difference of two parameter sets. Expected numbers by hand."""
+
+import pytest
+import torch
+
+from benchmarks import mechanisms
+
+# loop.py metrics.jsonl: an eval line (no filter figures) and two training lines of 8 rollouts each
+LOOP_LINES = [
+    {"step": 0, "eval/success_rate": 0.0},
+    {"step": 1, "rollouts": 8, "filtered_fraction": 0.5, "env_errors": 1, "abandoned": 0.0, "kl_k1": 0.9,
+     "truncated_fraction": 0.25},
+    {"step": 2, "rollouts": 8, "filtered_fraction": 1.0, "env_errors": 0, "abandoned": 1.0, "kl_k1": 21.0,
+     "truncated_fraction": 0.0},
+]
+
+
+def test_loop_counts_split_the_filter_into_small_advantage_and_failed_rollouts():
+    out = mechanisms.loop_counts(LOOP_LINES)
+    # dropped: 0.5 * 8 + 1.0 * 8 = 12 of 16; 1 of them failed, so 11 for |A| < threshold
+    assert out["iterations"] == 2 and out["rollouts"] == 16
+    assert out["filtered_per_iteration"] == [0.5, 1.0]
+    assert out["filtered_fraction"] == pytest.approx(12 / 16)
+    assert (out["dropped_small_advantage"], out["dropped_env_failed"]) == (11, 1)
+    assert out["iterations_abandoned_kl"] == 1 and out["kl_k1_max"] == 21.0
+    assert out["truncated_fraction"] == pytest.approx(2 / 16)  # 0.25 * 8 truncated rollouts of 16
+
+
+def test_relative_difference_over_all_parameters():
+    a = {"w": torch.tensor([3.0, 0.0]), "b": torch.tensor([1.0])}
+    b = {"w": torch.tensor([0.0, 4.0]), "b": torch.tensor([1.0])}
+    # ‖a − b‖ = sqrt(9 + 16 + 0) = 5; ‖b‖ = sqrt(16 + 1)
+    assert mechanisms.relative(a, b) == pytest.approx(5 / 17 ** 0.5)
+    assert mechanisms.relative(b, b) == 0.0
