@@ -1,9 +1,12 @@
 """How often, and where, each algorithm's own mechanism acts at its script's defaults, on the packaged model
 (SmolLM2-135M-Instruct). One markdown table; `--json` also writes every figure.
 
-    OMP_NUM_THREADS=1 python benchmarks/mechanisms.py --threads 1 --json runs/mechanisms.json   # ~15 min
-    OMP_NUM_THREADS=1 python benchmarks/mechanisms.py --threads 1 --quick                        # ~6 min
+    OMP_NUM_THREADS=1 python benchmarks/mechanisms.py --threads 1 --json runs/mechanisms.json   # ~11 min
+    OMP_NUM_THREADS=1 python benchmarks/mechanisms.py --threads 1 --quick                        # ~7 min
     python benchmarks/mechanisms.py --only arpo           # one script's mechanisms (t2po | arpo | loop)
+
+(One thread of a shared 2-core machine; ARPO's cold start, about 2 of those minutes, is saved under --root
+and reused by later runs.)
 
 T²PO (`python t2po.py`'s setting: TextWorld level 2, the default run's RFT, then training rollouts at
 T 0.7 with TTI and TDS on, B_max 1), through benchmarks/t2po_tds.py's `real_turns`:
