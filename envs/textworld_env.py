@@ -6,7 +6,11 @@ played by its Jericho/Frotz backend. A game is generated the first time its (cha
 needed (a few seconds) and cached under $AGENTIC_RL_CACHE (default ~/.cache/agentic-rl)/textworld/, so
 later runs and concurrent processes reuse it.
 
-Tasks are seeds: `tasks("train")` and `tasks("eval")` are disjoint seed ranges. The default is the
+Tasks are seeds: `tasks("train")` and `tasks("eval")` are disjoint seed ranges. Different seeds can still
+share a layout (coin collector level 3 has 12 walkthroughs, level 2 only 4), so a held-out game may have a
+solution seen in training. `holdout="walkthrough"` splits by solution instead: a game is held out when its
+walkthrough is one of the held-out ones (sha256 of the walkthrough, mod 4, is 0), so no held-out game's
+expert action sequence occurs in training. The default is the
 easiest game TextWorld generates, coin collector level 1: one room, four admissible commands, and
 "take coin" wins (a uniform pick among the admissible commands wins 1 step in 4). A 135M instruct
 model prompted zero-shot rarely writes an exact command (SmolLM2-135M-Instruct: p("take coin") ~ 4e-5
@@ -22,12 +26,15 @@ was. This also protects the Z-machine, which hangs on some binary input.
 """
 
 import argparse
+import hashlib
+import itertools
 import os
 import re
 import shutil
 import tempfile
 import threading
 import warnings
+from collections import defaultdict
 
 # Difficulty levels map onto TextWorld's own generator settings. coin_collector / treasure_hunter levels
 # are the challenges' native ones; simple: (rewards, goal text); cooking: recipe size and needed skills.
@@ -43,6 +50,8 @@ COOKING_LEVELS = {  # recipe size, ingredients to fetch, rooms, and which skills
 MAX_LEVEL = {"coin_collector": 300, "treasure_hunter": 30, "simple": len(SIMPLE_LEVELS),
              "cooking": len(COOKING_LEVELS)}
 EVAL_SEED_OFFSET = 1_000_000  # eval seeds start here, so the two splits never share a game
+HOLDOUT_MODULUS = 4  # holdout="walkthrough": about 1 walkthrough in 4 is held out
+SCAN_FACTOR = 6  # holdout="walkthrough": seeds scanned per task wanted (~0.4 s each, then cached)
 MAX_ACTION_CHARS = 200  # the longest admissible TextWorld command is far shorter
 
 
@@ -103,6 +112,37 @@ def generate_game(challenge: str, level: int, seed: int, cache: str | None = Non
     return game_file
 
 
+def walkthrough(challenge: str, level: int, seed: int, cache: str | None = None) -> tuple[str, ...]:
+    """The winning command sequence of game (challenge, level, seed), from TextWorld's generator alone
+    (no Inform 7 compile: ~0.4 s), cached as a small text file beside the games."""
+    challenge = challenge.removeprefix("tw-").replace("-", "_")
+    name = f"{challenge}-L{level}-s{seed}.txt"
+    path = os.path.join(cache or cache_root(), "textworld", "walkthroughs", name)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return tuple(f.read().splitlines())
+    import textworld.challenges
+    from textworld.generator.game import GameOptions
+
+    options = GameOptions()
+    options.seeds = seed
+    _, make, _ = textworld.challenges.CHALLENGES[f"tw-{challenge}"]
+    commands = tuple(make(settings=challenge_settings(challenge, level, seed), options=options).walkthrough)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(commands))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
+    return commands
+
+
+def held_out(commands: tuple[str, ...]) -> bool:
+    """Whether a walkthrough belongs to the held-out family (a stable hash: the same on every machine)."""
+    digest = hashlib.sha256("\n".join(commands).encode()).hexdigest()
+    return int(digest, 16) % HOLDOUT_MODULUS == 0
+
+
 # TextWorld parses its game logic with a grammar (tatsu) that is not thread-safe: envs started at once in
 # an EnvPool's threads failed with "IndexError: pop from empty list". Starting a game is serialised;
 # stepping running games stays concurrent.
@@ -156,20 +196,36 @@ class TextWorldEnv:
     """One TextWorld game at a time behind the text interface (tasks / reset / step)."""
 
     def __init__(self, challenge: str = "coin_collector", level: int = 1, max_steps: int = 30,
-                 train_games: int = 100, eval_games: int = 20, cache: str | None = None):
+                 train_games: int = 100, eval_games: int = 20, cache: str | None = None,
+                 holdout: str = "seed"):
         self.challenge = challenge.removeprefix("tw-").replace("-", "_")
         challenge_settings(self.challenge, level, 0)  # fail now on a bad challenge / level
+        if holdout not in ("seed", "walkthrough"):
+            raise ValueError(f"holdout must be 'seed' or 'walkthrough', got {holdout!r}")
+        self.holdout = holdout
         self.level, self.max_steps = level, max_steps
         self.train_games, self.eval_games, self.cache = train_games, eval_games, cache
         self.game = None
         self.state = None
 
     def tasks(self, split: str) -> list[int]:
-        if split == "train":
-            return list(range(self.train_games))
-        if split == "eval":
-            return list(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + self.eval_games))
-        raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
+        if split not in ("train", "eval"):
+            raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
+        first, n = (0, self.train_games) if split == "train" else (EVAL_SEED_OFFSET, self.eval_games)
+        if self.holdout == "seed":
+            return list(range(first, first + n))
+        # walkthrough: seeds of the split's family, taken round-robin over its walkthroughs (so that no
+        # layout dominates a small held-out set) from the first SCAN_FACTOR * n seeds of the split's range
+        want_held_out, by_walkthrough = split == "eval", defaultdict(list)
+        for seed in range(first, first + SCAN_FACTOR * n):
+            commands = walkthrough(self.challenge, self.level, seed, self.cache)
+            if held_out(commands) == want_held_out:
+                by_walkthrough[commands].append(seed)
+        found = [s for row in itertools.zip_longest(*by_walkthrough.values()) for s in row if s is not None]
+        if len(found) < n:
+            raise ValueError(f"{self.challenge} level {self.level}: only {len(found)} {split} games of {n} "
+                             f"wanted in {SCAN_FACTOR * n} seeds: too few walkthroughs to hold some out")
+        return found[:n]
 
     def game_file(self, task) -> str:
         try:

@@ -3,6 +3,8 @@
 First run generates 6 games (a few seconds each); later runs reuse them.
 """
 
+import hashlib
+import json
 import os
 import random
 import re
@@ -252,3 +254,36 @@ def test_env_pool_starts_games_concurrently_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[None, None, None, None]"
+
+
+def test_walkthrough_holdout_family_is_a_fixed_hash():
+    from envs.textworld_env import held_out
+
+    # sha256("go north\ngo north\ntake coin") ends in ...0 mod 4 (computed with hashlib by hand);
+    # "go north\ngo east\ntake coin" is 3 mod 4
+    assert int(hashlib.sha256(b"go north\ngo north\ntake coin").hexdigest(), 16) % 4 == 0
+    assert held_out(("go north", "go north", "take coin"))
+    assert not held_out(("go north", "go east", "take coin"))
+    with pytest.raises(ValueError, match="holdout must be"):
+        make(holdout="layout")
+
+
+@pytest.mark.slow
+def test_demo_held_out_games_have_walkthroughs_never_seen_in_training():
+    # The default run's (`python t2po.py`) held-out games: none of their expert action sequences is the
+    # expert action sequence of a training game, and each command still occurs in training.
+    import t2po
+    from envs.textworld_env import walkthrough
+
+    options = json.loads(t2po.PRESETS["textworld"]["env_options"])
+    env = make(**options)
+    train = {walkthrough(env.challenge, env.level, s) for s in env.tasks("train")}
+    held = {walkthrough(env.challenge, env.level, s) for s in env.tasks("eval")}
+    assert len(env.tasks("eval")) == options["eval_games"] and len(held) >= 2
+    assert not train & held
+    assert {c for w in held for c in w} <= {c for w in train for c in w}
+    # the generator's walkthrough is the one the compiled game's engine gives at reset
+    for seed in env.tasks("train")[:2] + env.tasks("eval")[:2]:
+        _, info = env.reset(seed)
+        assert tuple(info["expert_actions"]) == walkthrough(env.challenge, env.level, seed)
+    env.close()
