@@ -170,12 +170,14 @@ RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5"}
 # observation format, which drops the page header that repeats the instruction.
 PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
                                tds_max_try=1)
-# The default run, `python t2po.py` (ours; docs/t2po.md): TextWorld coin collector level 2 on a CPU. Go
-# through the exit the task names, take the coin (2 turns). A weak RFT (4 expert episodes) teaches the
-# format but not the task, so the gain in task success is RL's; 2 tasks x 4 rollouts per step, 3 steps.
-PRESETS["textworld"] = dict(env_options='{"level": 2, "train_games": 16, "eval_games": 8}',
-                            tasks_per_step=2, eval_tasks=8, cold_start_episodes=4, cold_start_epochs=2,
-                            lr=2e-5, steps=3, tds_max_try=1)
+# The default run, `python t2po.py` (ours; docs/t2po.md): TextWorld coin collector level 3 on a CPU: go
+# through the exit the task names, then the next one, take the coin (3 turns). Held-out games are held out
+# by walkthrough: no held-out game's solution is a training game's (envs/textworld_env.py). RFT on 12 expert
+# episodes teaches the format; 2 tasks x 8 rollouts per step (the paper's group), 4 RL steps.
+PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
+                                        '"holdout": "walkthrough"}',
+                            tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
+                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1)
 
 
 def apply_preset(args: Args, argv: list[str]) -> Args:

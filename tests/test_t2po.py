@@ -288,12 +288,13 @@ def test_env_presets_apply_the_paper_settings_but_flags_win():
 def test_textworld_preset_is_the_default_run_and_flags_win():
     from common.cli import parse_args
     args = t2po.apply_preset(parse_args(t2po.Args, []), [])  # `python t2po.py`, the `make demo` run
-    assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (3, 2e-5, 1, True)
+    assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (4, 2e-5, 1, True)
     argv = ["--env", "textworld", "--steps", "1"]
     args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)
-    assert json.loads(args.env_options) == {"level": 2, "train_games": 16, "eval_games": 8}
-    assert (args.tasks_per_step, args.group_size, args.max_new_tokens,
-            args.cold_start_episodes) == (2, 4, 40, 4)
+    assert json.loads(args.env_options) == {"level": 3, "train_games": 16, "eval_games": 8,
+                                            "holdout": "walkthrough"}
+    assert (args.tasks_per_step, args.group_size, args.max_new_tokens, args.max_turns,
+            args.cold_start_episodes) == (2, 8, 40, 4, 12)
     assert args.steps == 1
 
 
