@@ -74,6 +74,19 @@ def challenge_settings(challenge: str, level: int, seed: int) -> dict:
     return {**COOKING_LEVELS[level], "drop": False, "recipe_seed": seed, "split": None}
 
 
+def make_game(challenge: str, settings: dict, seed: int, path: str | None = None):
+    """(game, options) from TextWorld's challenge generator, not compiled; `path`: where compiling writes."""
+    import textworld.challenges
+    from textworld.generator.game import GameOptions
+
+    options = GameOptions()
+    options.seeds = seed
+    if path:
+        options.path = path
+    _, make, _ = textworld.challenges.CHALLENGES[f"tw-{challenge}"]
+    return make(settings=settings, options=options), options
+
+
 def generate_game(challenge: str, level: int, seed: int, cache: str | None = None) -> str:
     """Path of the compiled game for (challenge, level, seed), generating it on first use.
 
@@ -89,17 +102,12 @@ def generate_game(challenge: str, level: int, seed: int, cache: str | None = Non
         return game_file
 
     import textworld
-    import textworld.challenges
-    from textworld.generator.game import GameOptions
 
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{challenge}-L{level}-s{seed}-", dir=root)
     try:
-        options = GameOptions()
-        options.seeds = seed
-        options.path = os.path.join(tmp, "game.z8")  # writes game.z8 and game.json side by side
-        _, make, _ = textworld.challenges.CHALLENGES[f"tw-{challenge}"]
-        game = make(settings=settings, options=options)
+        # compiling writes game.z8 and game.json side by side
+        game, options = make_game(challenge, settings, seed, path=os.path.join(tmp, "game.z8"))
         textworld.generator.compile_game(game, options)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
         try:
@@ -121,13 +129,8 @@ def walkthrough(challenge: str, level: int, seed: int, cache: str | None = None)
     if os.path.isfile(path):
         with open(path) as f:
             return tuple(f.read().splitlines())
-    import textworld.challenges
-    from textworld.generator.game import GameOptions
-
-    options = GameOptions()
-    options.seeds = seed
-    _, make, _ = textworld.challenges.CHALLENGES[f"tw-{challenge}"]
-    commands = tuple(make(settings=challenge_settings(challenge, level, seed), options=options).walkthrough)
+    game, _ = make_game(challenge, challenge_settings(challenge, level, seed), seed)
+    commands = tuple(game.walkthrough)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
