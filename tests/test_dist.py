@@ -121,3 +121,58 @@ def test_on_gpus_cpu_tensors_have_a_backend_too(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert dist.init() == "cuda:1"
     assert calls == ["cpu:gloo,cuda:nccl"]
+
+
+FINISHING_SCRIPT = """
+import atexit, sys
+from common import dist
+
+class Finalized:
+    def __del__(self):  # runs during interpreter shutdown, which a finished rank must not enter
+        print("interpreter shutdown", flush=True)
+
+keep = Finalized()
+atexit.register(lambda: print("atexit ran"))  # unflushed: finish() must flush it
+
+@dist.entrypoint
+def main(how):
+    print("main ran")
+    if how == "exit0":
+        sys.exit(0)
+    if how == "exit":
+        sys.exit()
+
+main(sys.argv[1])
+print("after main")
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "exit0", "exit"])
+def test_a_finished_rank_ends_without_interpreter_shutdown(tmp_path, how):
+    """A rank that finished must not reach interpreter shutdown, where gloo's worker thread, still dropping
+    the last collective's tensors, asks for the GIL and the rank aborts (dist.finish). No process group is
+    needed to see the exit path: WORLD_SIZE=2 alone selects it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "finishing.py"
+    script.write_text(FINISHING_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="2", RANK="0")
+    proc = subprocess.run([sys.executable, str(script), how], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["main", "ran", "atexit", "ran"]  # no "after main", no shutdown
+    assert proc.stderr == ""
+
+
+def test_in_a_single_process_a_finished_main_returns_and_python_shuts_down_as_usual(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "finishing.py"
+    script.write_text(FINISHING_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = subprocess.run([sys.executable, str(script), "return"], env=dict(env, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["main ran", "after main", "atexit ran", "interpreter shutdown"]
