@@ -9,7 +9,8 @@
 run at most two `run`s at once: torch beside another busy process slows far more than 2x), into
 runs/compare/<algo>/<arm>-s<seed>/, the script's own run folder (args.json, metrics.jsonl). A finished run
 gets a `done` file and is skipped next time, so `run` can be stopped and restarted; an unfinished folder
-is started over. Arguments after `--` go to every run of both arms.
+is started over. Arguments after `--` go to every run of both arms. `--arms` plays only some arms, e.g. the
+method's seeds in one `run` and the baseline's in another, side by side.
 
 `report` reads only the finished folders (no re-running), so it can be redrawn at any time. Per algorithm
 it prints a markdown table (and writes it to --markdown): per arm the mean over seeds ± the 95% Student t
@@ -50,9 +51,15 @@ def run_folder(root: str, algo: str, arm: str, seed: int) -> str:
     return os.path.join(root, algo, f"{arm}-s{seed}")
 
 
-def run(algo: str, seeds: list[int], extra: list[str], root: str) -> None:
+def run(algo: str, seeds: list[int], extra: list[str], root: str, arms: list[str] | None = None) -> None:
+    unknown = sorted(set(arms or []) - set(ARMS[algo]))
+    if unknown:
+        raise SystemExit(f"compare.py run {algo}: unknown arm {unknown[0]!r}; "
+                         f"choose from {', '.join(ARMS[algo])}")
     for seed in seeds:  # seed-major: an interrupted sweep still has every arm for the seeds it finished
         for arm, flags in ARMS[algo].items():
+            if arms and arm not in arms:
+                continue
             out = run_folder(root, algo, arm, seed)
             if os.path.exists(os.path.join(out, "done")):
                 continue
@@ -285,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     p_run.add_argument("algo", choices=sorted(ARMS))
     p_run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p_run.add_argument("--root", default=os.path.join(ROOT, "runs", "compare"))
+    p_run.add_argument("--arms", nargs="+", help="only these arms (default: all); two `run`s with different "
+                       "arms can share the 2 cores")
     p_report = sub.add_parser("report", help="table and figures from the finished run folders")
     p_report.add_argument("algos", nargs="+", choices=sorted(ARMS))
     p_report.add_argument("--root", default=os.path.join(ROOT, "runs", "compare"))
@@ -293,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     p_report.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args(argv)
     if args.command == "run":
-        run(args.algo, args.seeds, extra, args.root)
+        run(args.algo, args.seeds, extra, args.root, args.arms)
     elif extra:
         raise SystemExit("compare.py report: arguments after -- are for `run` only")
     else:

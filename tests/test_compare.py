@@ -4,6 +4,7 @@ run folders in the scripts' real metrics.jsonl format. Every expected number is 
 import copy
 import json
 import math
+import os
 
 import pytest
 
@@ -173,3 +174,23 @@ def test_unwritable_markdown_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="compare.py report: cannot write .*missing/table.md"):
         compare.main(["report", "loop", "--root", str(tmp_path), "--figures", str(tmp_path / "fig"),
                       "--markdown", str(tmp_path / "missing" / "table.md")])
+
+
+def test_run_plays_only_the_arms_asked_for_seed_by_seed(tmp_path, monkeypatch):
+    calls = []
+
+    def call(cmd, **kw):  # the script makes its --out folder
+        calls.append(cmd)
+        os.makedirs(cmd[cmd.index("--out") + 1])
+        return 0
+
+    monkeypatch.setattr(compare.subprocess, "call", call)
+    compare.run("t2po", [0, 1], ["--steps", "2"], str(tmp_path), arms=["gigpo"])
+    assert [(c[c.index("--seed") + 1], c[c.index("--out") + 1]) for c in calls] == [
+        ("0", str(tmp_path / "t2po" / "gigpo-s0")), ("1", str(tmp_path / "t2po" / "gigpo-s1"))]
+    assert all(c[-4:] == ["--no-tti", "--no-tds", "--steps", "2"] for c in calls)
+    assert (tmp_path / "t2po" / "gigpo-s1" / "done").exists() and not (tmp_path / "t2po" / "t2po-s0").exists()
+    compare.run("t2po", [0, 1], ["--steps", "2"], str(tmp_path), arms=["gigpo"])
+    assert len(calls) == 2  # finished runs are skipped
+    with pytest.raises(SystemExit, match="unknown arm 'grpo'; choose from t2po, gigpo"):
+        compare.run("t2po", [0], [], str(tmp_path), arms=["grpo"])
