@@ -26,8 +26,11 @@ was. This also protects the Z-machine, which hangs on some binary input.
 """
 
 import argparse
+import functools
 import hashlib
+import importlib.metadata
 import itertools
+import json
 import os
 import re
 import shutil
@@ -53,6 +56,9 @@ EVAL_SEED_OFFSET = 1_000_000  # eval seeds start here, so the two splits never s
 HOLDOUT_MODULUS = 4  # holdout="walkthrough": about 1 walkthrough in 4 is held out
 SCAN_FACTOR = 6  # holdout="walkthrough": seeds scanned per task wanted (~0.4 s each, then cached)
 MAX_ACTION_CHARS = 200  # the longest admissible TextWorld command is far shorter
+# walkthroughs of the seeds the default run scans, shipped so that a first run does not spend a minute
+# generating them (written by `--ship`, checked against the generator by tests/test_textworld.py)
+SHIPPED_WALKTHROUGHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "textworld_walkthroughs.json")
 
 
 def cache_root() -> str:
@@ -120,10 +126,50 @@ def generate_game(challenge: str, level: int, seed: int, cache: str | None = Non
     return game_file
 
 
+@functools.cache
+def shipped_walkthroughs() -> dict[str, tuple[str, ...]]:
+    """'<challenge>-L<level>-s<seed>' -> walkthrough from SHIPPED_WALKTHROUGHS; empty when the installed
+    TextWorld is not the version that wrote them (another version may generate other games)."""
+    if not os.path.isfile(SHIPPED_WALKTHROUGHS):
+        return {}
+    with open(SHIPPED_WALKTHROUGHS) as f:
+        table = json.load(f)
+    if table["textworld"] != importlib.metadata.version("textworld"):
+        return {}
+    out = {}
+    for game, entry in table["games"].items():
+        layouts = [tuple(w.split("\n")) for w in entry["walkthroughs"]]
+        out.update({f"{game}-s{seed}": layouts[i] for seed, i in entry["seeds"].items()})
+    return out
+
+
+def ship_walkthroughs(challenge: str, level: int, seeds: list[int]) -> None:
+    """Add these seeds' walkthroughs (from the generator, never the table) to SHIPPED_WALKTHROUGHS."""
+    table = {"textworld": importlib.metadata.version("textworld"), "games": {}}
+    if os.path.isfile(SHIPPED_WALKTHROUGHS):
+        with open(SHIPPED_WALKTHROUGHS) as f:
+            table["games"] = json.load(f)["games"]
+    entry = table["games"].setdefault(f"{challenge}-L{level}", {"walkthroughs": [], "seeds": {}})
+    for seed in seeds:
+        game, _ = make_game(challenge, challenge_settings(challenge, level, seed), seed)
+        text = "\n".join(game.walkthrough)
+        if text not in entry["walkthroughs"]:
+            entry["walkthroughs"].append(text)
+        entry["seeds"][str(seed)] = entry["walkthroughs"].index(text)
+    with open(SHIPPED_WALKTHROUGHS, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    shipped_walkthroughs.cache_clear()
+
+
 def walkthrough(challenge: str, level: int, seed: int, cache: str | None = None) -> tuple[str, ...]:
-    """The winning command sequence of game (challenge, level, seed), from TextWorld's generator alone
-    (no Inform 7 compile: ~0.4 s), cached as a small text file beside the games."""
+    """The winning command sequence of game (challenge, level, seed): shipped (SHIPPED_WALKTHROUGHS), or
+    from TextWorld's generator alone (no Inform 7 compile: ~0.4 s), cached as a small text file beside
+    the games."""
     challenge = challenge.removeprefix("tw-").replace("-", "_")
+    shipped = shipped_walkthroughs().get(f"{challenge}-L{level}-s{seed}")
+    if shipped is not None:
+        return shipped
     name = f"{challenge}-L{level}-s{seed}.txt"
     path = os.path.join(cache or cache_root(), "textworld", "walkthroughs", name)
     if os.path.isfile(path):
@@ -322,7 +368,13 @@ if __name__ == "__main__":
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--split", default="train", choices=["train", "eval"])
     parser.add_argument("--n", type=int, default=8, help="how many games of the split")
+    parser.add_argument("--ship", action="store_true", help="instead, add the walkthroughs of the seeds "
+                        "that holdout='walkthrough' scans for --n games of --split to SHIPPED_WALKTHROUGHS")
     args = parser.parse_args()
+    if args.ship:
+        first = 0 if args.split == "train" else EVAL_SEED_OFFSET
+        ship_walkthroughs(args.challenge, args.level, list(range(first, first + SCAN_FACTOR * args.n)))
+        raise SystemExit(0)
     env = TextWorldEnv(args.challenge, args.level)
     for seed in env.tasks(args.split)[: args.n]:
         print(env.game_file(seed))

@@ -287,3 +287,39 @@ def test_demo_held_out_games_have_walkthroughs_never_seen_in_training():
         _, info = env.reset(seed)
         assert tuple(info["expert_actions"]) == walkthrough(env.challenge, env.level, seed)
     env.close()
+
+
+def test_the_default_runs_scan_needs_no_generation(tmp_path, monkeypatch):
+    # make demo's first run reads the walkthroughs of every seed it scans from the shipped table
+    import t2po
+    from envs import textworld_env
+
+    def no_generation(*a, **kw):
+        raise AssertionError("a walkthrough was generated")
+
+    monkeypatch.setattr(textworld_env, "make_game", no_generation)
+    options = json.loads(t2po.PRESETS["textworld"]["env_options"])
+    env = make(**options, cache=str(tmp_path))  # an empty cache
+    assert len(env.tasks("train")) == options["train_games"]
+    assert len(env.tasks("eval")) == options["eval_games"]
+    assert not (tmp_path / "textworld").exists()
+
+
+@pytest.mark.slow
+def test_shipped_walkthroughs_are_the_generators_and_need_its_version(monkeypatch):
+    from envs import textworld_env
+
+    shipped = textworld_env.shipped_walkthroughs()
+    keys = sorted(shipped)
+    assert len(keys) >= 144
+    for key in keys[::12]:  # a sample across both splits: generating one takes ~0.4 s
+        challenge, level, seed = key.rsplit("-", 2)
+        level, seed = int(level.removeprefix("L")), int(seed.removeprefix("s"))
+        settings = textworld_env.challenge_settings(challenge, level, seed)
+        game, _ = textworld_env.make_game(challenge, settings, seed)
+        assert tuple(game.walkthrough) == shipped[key], key
+    textworld_env.shipped_walkthroughs.cache_clear()
+    monkeypatch.setattr(textworld_env.importlib.metadata, "version", lambda name: "0.0")
+    assert textworld_env.shipped_walkthroughs() == {}  # another TextWorld may generate other games
+    monkeypatch.undo()
+    textworld_env.shipped_walkthroughs.cache_clear()
