@@ -70,7 +70,7 @@ def closest_to_firing(out: dict, args) -> float | None:
     return min(means) if means else None
 
 
-def t2po_mechanisms(tasks: int, group_size: int, threads: int) -> dict:
+def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple[str, ...] = ()) -> dict:
     import t2po_tds
 
     import t2po
@@ -105,7 +105,7 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int) -> dict:
 
     t2po.generate_turn, t2po.rollout = generate_turn, rollout
     try:
-        turns = t2po_tds.real_turns(tasks, group_size, threads)
+        turns = t2po_tds.real_turns(tasks, group_size, threads, t2po_flags)
     finally:
         t2po.generate_turn, t2po.rollout = real_generate, real_rollout
     tds = t2po_tds.summary(turns["records"], turns["eta"])["gamma_now"]
@@ -353,6 +353,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tasks, questions and iterations")
     parser.add_argument("--t2po-tasks", type=int, help="T²PO training tasks rolled out (default 4; quick 2)")
     parser.add_argument("--t2po-group-size", type=int, default=4, help="T²PO episodes per task")
+    parser.add_argument("--t2po-flags", default="", help="t2po.py flags on top of its default run's, e.g. "
+                        "'--tti-min-think 8 --tds-eta 0.03' (one string)")
     parser.add_argument("--arpo-questions", type=int, help="ARPO training questions (default 4; quick 2)")
     parser.add_argument("--loop-steps", type=int, help="LOOP iterations (default 3; quick 1)")
     parser.add_argument("--loop-eval-tasks", type=int, default=1, help="LOOP held-out games per evaluation")
@@ -377,7 +379,8 @@ def main() -> None:
     for name in scripts:
         t0 = time.time()
         if name == "t2po":
-            result["t2po"] = t2po_mechanisms(cli.t2po_tasks, cli.t2po_group_size, cli.threads)
+            result["t2po"] = t2po_mechanisms(cli.t2po_tasks, cli.t2po_group_size, cli.threads,
+                                             tuple(cli.t2po_flags.split()))
         elif name == "arpo":
             result["arpo"] = arpo_mechanisms(cli.arpo_questions, cli.threads, cli.root)
         else:

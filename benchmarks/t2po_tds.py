@@ -62,7 +62,7 @@ def synthetic(seed: int = 0) -> list[dict]:
     return rows
 
 
-def real_turns(n_tasks: int, group_size: int, threads: int) -> dict:
+def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[str, ...] = ()) -> dict:
     import torch
 
     from common.cli import parse_args
@@ -72,7 +72,8 @@ def real_turns(n_tasks: int, group_size: int, threads: int) -> dict:
 
     if threads:
         torch.set_num_threads(threads)
-    argv = ["--tds-max-try", "1", "--group-size", str(group_size), "--tasks-per-step", str(n_tasks)]
+    argv = ["--tds-max-try", "1", "--group-size", str(group_size), "--tasks-per-step", str(n_tasks),
+            *t2po_flags]  # t2po_flags: e.g. other TTI / TDS constants than the default run's
     args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)  # the default run's setting
     env, options = t2po.make_task_env(args.env, args.env_options, args.seed)
     train_tasks = env.tasks("train")

@@ -33,3 +33,33 @@ def test_relative_difference_over_all_parameters():
     # ‖a − b‖ = sqrt(9 + 16 + 0) = 5; ‖b‖ = sqrt(16 + 1)
     assert mechanisms.relative(a, b) == pytest.approx(5 / 17 ** 0.5)
     assert mechanisms.relative(b, b) == 0.0
+
+
+def test_t2po_flags_reach_the_measured_setting_on_top_of_the_default_run(monkeypatch):
+    import sys
+
+    sys.path.insert(0, mechanisms.HERE)  # where mechanisms.py finds t2po_tds
+    import t2po_tds
+
+    import t2po
+
+    seen = {}
+
+    def stop(env, options, seed):  # the first thing real_turns does with the parsed settings
+        seen["args"] = stop.args
+        raise RuntimeError("stop here")
+
+    real_apply = t2po.apply_preset
+
+    def apply_preset(args, argv):
+        stop.args = real_apply(args, argv)
+        return stop.args
+
+    monkeypatch.setattr(t2po, "apply_preset", apply_preset)
+    monkeypatch.setattr(t2po, "make_task_env", stop)
+    with pytest.raises(RuntimeError, match="stop here"):
+        t2po_tds.real_turns(2, 4, 0, ("--tti-min-think", "8", "--tds-eta", "0.03"))
+    args = seen["args"]
+    assert (args.tti_min_think, args.tds_eta, args.tti_epsilon) == (8, 0.03, 0.05)  # ε left at its default
+    assert (args.group_size, args.tasks_per_step, args.tds_max_try) == (4, 2, 1)
+    assert args.max_turns == 4  # the default run's preset still applies
