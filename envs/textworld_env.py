@@ -156,9 +156,7 @@ def ship_walkthroughs(challenge: str, level: int, seeds: list[int]) -> None:
         if text not in entry["walkthroughs"]:
             entry["walkthroughs"].append(text)
         entry["seeds"][str(seed)] = entry["walkthroughs"].index(text)
-    with open(SHIPPED_WALKTHROUGHS, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+    write_atomic(SHIPPED_WALKTHROUGHS, json.dumps(table, indent=1) + "\n")  # a kill leaves the old table
     shipped_walkthroughs.cache_clear()
 
 
@@ -167,23 +165,29 @@ def walkthrough(challenge: str, level: int, seed: int, cache: str | None = None)
     from TextWorld's generator alone (no Inform 7 compile: ~0.4 s), cached as a small text file beside
     the games."""
     challenge = challenge.removeprefix("tw-").replace("-", "_")
-    shipped = shipped_walkthroughs().get(f"{challenge}-L{level}-s{seed}")
+    key = f"{challenge}-L{level}-s{seed}"
+    shipped = shipped_walkthroughs().get(key)
     if shipped is not None:
         return shipped
-    name = f"{challenge}-L{level}-s{seed}.txt"
-    path = os.path.join(cache or cache_root(), "textworld", "walkthroughs", name)
+    path = os.path.join(cache or cache_root(), "textworld", "walkthroughs", f"{key}.txt")
     if os.path.isfile(path):
         with open(path) as f:
             return tuple(f.read().splitlines())
     game, _ = make_game(challenge, challenge_settings(challenge, level, seed), seed)
     commands = tuple(game.walkthrough)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, "\n".join(commands))
+    return commands
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temp file and a rename: a concurrent reader, or a kill, leaves
+    the whole file or the old one, never half of it."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
-        f.write("\n".join(commands))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
-    return commands
+        f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
+    os.replace(tmp, path)
 
 
 def held_out(commands: tuple[str, ...]) -> bool:
