@@ -140,6 +140,10 @@ class Args:
     cold_start_episodes: int = opt("cold start", 6, "episodes collected for RFT")
     cold_start_epochs: int = opt("cold start", 1, "SFT epochs over the kept turns")
     cold_start_lr: float = opt("cold start", 5e-5, "SFT learning rate")
+    expert_thoughts: Literal["short", "long"] = opt(
+        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in TextWorld, the "
+        "action, then the task's sentence for this step and the steps done (~40 tokens that add nothing "
+        "once the action is written: what TTI is meant to cut; needs --max-new-tokens 96)")
     # torchrun
     parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
         "torchrun", "auto", "auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params")
@@ -686,6 +690,25 @@ def expert_thought(action: str) -> str:
     return "Open the result that best matches the task."
 
 
+def task_steps(instruction: str) -> list[str]:
+    """The sentences of a TextWorld coin-collector task that name a move or the coin, in order: one per
+    step of its walkthrough ("First off, head west.", "Then, travel north.", "That done, take the coin …")."""
+    sentences = re.split(r"(?<=[.!?])\s+", instruction)
+    return [s for s in sentences if re.search(r"\b(north|south|east|west|coin)\b", s)]
+
+
+def long_expert_thought(action: str, instruction: str, k: int) -> str:
+    """`--expert-thoughts long` (ours): the decision first, then a justification that quotes the task and
+    counts the steps done. Everything after the first words is predictable: a thought whose uncertainty
+    settles once the action is decided, the overthinking TTI is meant to cut (docs/t2po.md). Falls back to
+    the short thought when the task has no sentence for step k."""
+    steps = task_steps(instruction)
+    if k >= len(steps):
+        return expert_thought(action)
+    return (f'I {action}. Step {k + 1} of the task says: "{steps[k]}" '
+            f"I have done {k} of its {len(steps)} steps.")
+
+
 def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
     """Replay the environment's scripted expert (`env.expert_action()` for the current state), written as
     `<think>…</think><action>…</action>` turns with the same prompts the policy will see."""
@@ -693,12 +716,13 @@ def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
     for task in tasks:
         obs, info = env.reset(task)
         history, turns, won = [], [], False
-        for _ in range(args.max_turns):
-            action = env.expert_action()
-            prompt = build_turn_prompt(info.get("instruction", ""), history, obs,
-                                       info.get("admissible_actions") or [], args.history_length,
-                                       args.max_obs_chars)
-            text = f"<think>{expert_thought(action)}</think>\n<action>{action}</action>"
+        for k in range(args.max_turns):
+            action, instruction = env.expert_action(), info.get("instruction", "")
+            prompt = build_turn_prompt(instruction, history, obs, info.get("admissible_actions") or [],
+                                       args.history_length, args.max_obs_chars)
+            thought = (long_expert_thought(action, instruction, k) if args.expert_thoughts == "long"
+                       else expert_thought(action))
+            text = f"<think>{thought}</think>\n<action>{action}</action>"
             next_obs, _, done, info = env.step(action)
             turns.append(dict(prompt=prompt, text=text, valid=True))
             history.append((obs, action))

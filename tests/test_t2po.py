@@ -1,6 +1,7 @@
 """T²PO: uncertainty signal, TTI rule and its chunked generation, TDS, format, GiGPO advantages, PPO loss,
 RFT filter, and an end-to-end run. Expected numbers are worked out by hand in the comments."""
 
+import dataclasses
 import json
 import math
 
@@ -311,6 +312,41 @@ def test_expert_thought_for_textworld_commands():
     assert t2po.expert_thought("go west") == "The task says which way to go."
     assert t2po.expert_thought("take coin") == "The coin is here, so take it."
     assert t2po.expert_thought("click[buy now]") == "This item fits the task, so buy it."
+
+
+TASK = ("You are now playing a life changing game of TextWorld! First off, if it's not too much trouble, "
+        "I need you to head west. With that over with, make an attempt to travel north. That done, "
+        "recover the coin from the floor of the chamber. That's it!")
+
+
+def test_task_steps_are_the_sentences_that_name_a_move_or_the_coin():
+    assert t2po.task_steps(TASK) == ["First off, if it's not too much trouble, I need you to head west.",
+                                     "With that over with, make an attempt to travel north.",
+                                     "That done, recover the coin from the floor of the chamber."]
+    assert t2po.task_steps("Here is how to play! First step, go south. Then, take the coin. Got that?") == [
+        "First step, go south.", "Then, take the coin."]
+
+
+def test_long_expert_thought_decides_first_then_quotes_the_step():
+    assert t2po.long_expert_thought("go north", TASK, 1) == (
+        'I go north. Step 2 of the task says: "With that over with, make an attempt to travel north." '
+        "I have done 1 of its 3 steps.")
+    assert t2po.long_expert_thought("look", TASK, 3) == t2po.expert_thought("look")  # no 4th step
+
+
+def test_expert_thoughts_flag_reaches_the_rft_turns():
+    env, _ = t2po.make_task_env("textworld", '{"level": 3, "train_games": 1}', seed=0)
+    args = dataclasses.replace(t2po.Args(), max_turns=4)
+    short = t2po.expert_episodes(env, [0], args)[0]
+    long = t2po.expert_episodes(env, [0], dataclasses.replace(args, expert_thoughts="long"))[0]
+    assert short["won"] and long["won"] and len(long["turns"]) == 3
+    assert [t["prompt"] for t in long["turns"]] == [t["prompt"] for t in short["turns"]]
+    assert short["turns"][0]["text"].startswith("<think>The task says which way to go.</think>")
+    for k, turn in enumerate(long["turns"]):
+        thought = turn["text"][len("<think>"):turn["text"].index("</think>")]
+        action = turn["text"][turn["text"].index("<action>") + 8:-len("</action>")]
+        assert thought.startswith(f"I {action}. Step {k + 1} of the task says: ")
+        assert thought.endswith(f"I have done {k} of its 3 steps.")
 
 
 # ---- TTI generation: chunked == online, under position-keyed sampling seeds ------------------------
