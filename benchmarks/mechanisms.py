@@ -88,8 +88,18 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
             without = dict(zip(cut, off, strict=True))
             max_think = args.tti_max_think or args.max_new_tokens - min(32, args.max_new_tokens // 2)
             kept_stats["epsilon"] = args.tti_epsilon
+
+            def text(out: dict) -> str:
+                return tokenizer.decode(out["ids"], skip_special_tokens=True)
+
+            def action(out: dict) -> str:
+                return t2po.parse_response(text(out))[0]
+
             for j, o in enumerate(outs):
+                if j in without and "tti_example_cut" not in kept_stats:  # one cut, shown in the docs
+                    kept_stats["tti_example_cut"] = dict(with_tti=text(o), without_tti=text(without[j]))
                 responses.append(dict(think=o["think_tokens"], intervened=o["intervened"],
+                                      same_action=j not in without or action(o) == action(without[j]),
                                       closest=closest_to_firing(o, args),
                                       by_cap=o["intervened"] and o["think_tokens"] >= max_think,
                                       think_without=without[j]["think_tokens"] if j in without
@@ -126,6 +136,8 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
         "think_tokens_saved_per_cut": float(np.mean([r["think_without"] - r["think"] for r in fired]))
         if fired else 0.0,
         "tti_cut_turns_same_tokens_with_tti_off": sum(r["same_prefix"] for r in fired),
+        "tti_cut_turns_same_action_with_tti_off": sum(r["same_action"] for r in fired),
+        "tti_example_cut": kept_stats.get("tti_example_cut"),
         "tti_wasted_tokens_kept_turns": int(kept_stats["tti_wasted_tokens"]),
         "tds_turns_k_gt_0": n_k, "tds_resampled": tds["resampled"],
         "tds_resample_rate": tds["resampled"] / max(1, n_k),
@@ -133,6 +145,8 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
         "tds_repeat_rate_resampled": tds["of_them_repeats"] / max(1, tds["resampled"]),
         "tds_repeat_rate_all": sum(r["repeat"] for r in turns["records"]) / max(1, n_k),
         "tds_gamma_median": float(np.median([r["gamma_now"] for r in turns["records"]] or [0])),
+        "tds_gamma_separation": tds["separation"],  # P(a repeat's Γ < another turn's Γ); 0.5: chance
+        "tds_gamma_median_repeat_other": [tds["median_repeat"], tds["median_other"]],
         "tds_gamma_max": max((r["gamma_now"] for r in turns["records"]), default=0.0),
         "tds_eta": turns["eta"], "tds_resamples_logged": int(kept_stats["tds_resamples"]),
     }
@@ -299,12 +313,18 @@ def table(result: dict) -> str:
              f"{t['think_tokens_with_tti']} / {t['think_tokens_without_tti']} (saved "
              f"{1 - t['think_tokens_with_tti'] / max(1, t['think_tokens_without_tti']):.0%}; "
              f"{t['think_tokens_saved_per_cut']:.1f} per cut)"),
+            ("T²PO", "cut responses whose action is the one written with TTI off",
+             f"{t.get('tti_cut_turns_same_action_with_tti_off', '-')} of "
+             f"{t['tti_fired_by_epsilon_rule'] + t['tti_fired_by_cap']}"),
             ("T²PO", "TDS resample rate (turns k > 0, 0 < Γ < η)",
              f"{t['tds_resample_rate']:.2f} ({t['tds_resampled']} of {t['tds_turns_k_gt_0']}; median Γ "
              f"{t['tds_gamma_median']:.3f}, max {t['tds_gamma_max']:.3f}, η {t['tds_eta']})"),
             ("T²PO", "resampled turns repeating the previous action",
              f"{t['tds_repeat_rate_resampled']:.2f} ({t['tds_resampled_repeats']} of {t['tds_resampled']}; "
              f"all turns k > 0: {t['tds_repeat_rate_all']:.2f})"),
+            ("T²PO", "P(a repeat's Γ < another turn's Γ) (TDS's premise: > 0.5)",
+             f"{t.get('tds_gamma_separation', '-')} (median Γ, repeats / others: "
+             + " / ".join(str(x) for x in t.get("tds_gamma_median_repeat_other", ["-", "-"])) + ")"),
         ]
     if "arpo" in result:
         a = result["arpo"]
