@@ -18,8 +18,13 @@ T 0.7 with TTI and TDS on, B_max 1), through benchmarks/t2po_tds.py's `real_turn
   is (think tokens without TTI) − (think tokens with TTI), where think tokens are those before the
   model's own `</think>`, or all of the response when it never closes the thought. A response TTI did
   not cut is the same with TTI off (TTI is an online logits processor), so it saves nothing.
+- Of the responses TTI cut, how many write the same action as their TTI-off twin; one cut response
+  beside its twin (JSON only).
 - TDS: turns k > 0 with 0 < Γ_k < η (resampled), and of those, how many repeat the previous turn's action;
-  beside it, the repeat rate of all turns k > 0.
+  beside it, the repeat rate of all turns k > 0, and the probability that a repeat's Γ is below another
+  turn's (TDS's premise: repeats change the turn's uncertainty least, so > 0.5).
+- `--t2po-flags` measures another setting, e.g. the one where TTI's ε rule acts (docs/t2po.md):
+  --t2po-flags="--expert-thoughts long --max-new-tokens 96 --tti-epsilon 0.08 --tds-eta 0.025 --seed 1"
 
 ARPO (`python arpo.py`'s defaults, tools env, after its cold start), through
 benchmarks/arpo_fork_rates.py's recorder: at each tool result, ΔH under both step-entropy estimators
