@@ -222,6 +222,9 @@ def check_args(args: Args) -> None:
             refuse(name, f"must be ≤ {UPPER_BOUNDS[name]}")
     if 0 < args.dual_clip <= 1:
         refuse("dual_clip", "the dual-clip bound must be > 1 (or 0 = off)")
+    if args.expert_thoughts == "long" and args.env != "textworld":
+        refuse("expert_thoughts", f"long thoughts quote TextWorld's task sentences, which --env {args.env} "
+               "does not have")
 
 
 # ---------------------------------------------------------------------------------------------------

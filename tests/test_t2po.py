@@ -520,6 +520,12 @@ def test_torchrun_script_end_to_end_then_resume_on_one_rank(tmp_path):
     assert "eval/success_rate" in summary["rl"]
 
 
+def test_long_expert_thoughts_are_refused_outside_textworld(monkeypatch, tmp_path):
+    monkeypatch.setattr(t2po, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit, match="^t2po.py: --expert-thoughts long: long thoughts quote TextWorld"):
+        t2po.main(["--env", "webshop-lite", "--expert-thoughts", "long", "--out", str(tmp_path / "run")])
+
+
 # ---- bad input, presets (issue 13 §3) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags", [
