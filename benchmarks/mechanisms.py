@@ -98,7 +98,7 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
                 return tokenizer.decode(out["ids"], skip_special_tokens=True)
 
             def action(out: dict) -> str:
-                return t2po.parse_response(text(out))[0]
+                return t2po_tds.response_action(tokenizer, out)
 
             for j, o in enumerate(outs):
                 if j in without and "tti_example_cut" not in kept_stats:  # one cut, shown in the docs

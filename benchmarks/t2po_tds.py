@@ -62,6 +62,11 @@ def synthetic(seed: int = 0) -> list[dict]:
     return rows
 
 
+def response_action(tokenizer, out: dict) -> str:
+    """The action a generated turn response (generate_turn's output) hands to the environment."""
+    return t2po.parse_response(tokenizer.decode(out["ids"], skip_special_tokens=True))[0]
+
+
 def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[str, ...] = ()) -> dict:
     import torch
 
@@ -95,11 +100,9 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
 
     def recording_redo(prev, cur, a):  # B_max 1: called once per turn k > 0, on its first sample
         if prev is not None:
-            def action(out: dict) -> str:
-                return t2po.parse_response(tokenizer.decode(out["ids"], skip_special_tokens=True))[0]
+            acts = [response_action(tokenizer, prev), response_action(tokenizer, cur)]
             before, now = gammas(prev, cur, a.alpha)
-            records.append(dict(repeat=action(cur) == action(prev), gamma_before=before, gamma_now=now,
-                                actions=[action(prev), action(cur)],
+            records.append(dict(repeat=acts[1] == acts[0], gamma_before=before, gamma_now=now, actions=acts,
                                 lengths=[len(prev["ids"]), len(cur["ids"])],
                                 prev={k: prev[k] for k in ("entropies", "confidences")},
                                 cur={k: cur[k] for k in ("entropies", "confidences")}))
