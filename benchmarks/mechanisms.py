@@ -300,6 +300,11 @@ def loop_counts(lines: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
+def na(x) -> str:
+    """A figure, or '-' where there was nothing to compute it from."""
+    return "-" if x is None else str(x)
+
+
 def table(result: dict) -> str:
     rows = []
     if "t2po" in result:
@@ -328,8 +333,8 @@ def table(result: dict) -> str:
              f"{t['tds_repeat_rate_resampled']:.2f} ({t['tds_resampled_repeats']} of {t['tds_resampled']}; "
              f"all turns k > 0: {t['tds_repeat_rate_all']:.2f})"),
             ("T²PO", "P(a repeat's Γ < another turn's Γ) (TDS's premise: > 0.5)",
-             f"{t.get('tds_gamma_separation', '-')} (median Γ, repeats / others: "
-             + " / ".join(str(x) for x in t.get("tds_gamma_median_repeat_other", ["-", "-"])) + ")"),
+             f"{na(t.get('tds_gamma_separation'))} (median Γ, repeats / others: "
+             + " / ".join(na(x) for x in t.get("tds_gamma_median_repeat_other", [None, None])) + ")"),
         ]
     if "arpo" in result:
         a = result["arpo"]

@@ -118,10 +118,16 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
     return dict(eta=args.tds_eta, records=records)
 
 
+def median(score, rows: list[dict]) -> float | None:
+    """The median score of rows; None, not 0, when there are none."""
+    return round(float(np.median([score(r) for r in rows])), 3) if rows else None
+
+
 def summary(records: list[dict], eta: float) -> dict:
     """How many turns k > 0 each Γ would resample (0 < Γ < η) and how many of those repeat the previous
     action; and how well each Γ separates repeats (low Γ wanted) from the other turns: the probability
-    that a repeat's Γ is below another turn's (0.5 = no better than chance), beside two plain detectors,
+    that a repeat's Γ is below another turn's (0.5 = no better than chance; None without a repeat or
+    without another turn), beside two plain detectors,
     the difference in length (tokens) and in mean entropy between the two turns."""
     def entropy_gap(r: dict) -> float:
         def mean(xs: list[float]) -> float:
@@ -135,10 +141,9 @@ def summary(records: list[dict], eta: float) -> dict:
     out = dict(turns_k_gt_0=len(records), repeats=len(repeats), eta=eta)
     for name, score in detectors.items():
         pairs = [(score(a), score(b)) for a in repeats for b in others]
-        separation = sum((x < y) + 0.5 * (x == y) for x, y in pairs) / max(1, len(pairs))
-        out[name] = dict(separation=round(separation, 3),
-                         median_repeat=round(float(np.median([score(r) for r in repeats] or [0])), 3),
-                         median_other=round(float(np.median([score(r) for r in others] or [0])), 3))
+        out[name] = dict(separation=round(sum((x < y) + 0.5 * (x == y) for x, y in pairs) / len(pairs), 3)
+                         if pairs else None,
+                         median_repeat=median(score, repeats), median_other=median(score, others))
         if name.startswith("gamma"):
             hits = [r for r in records if 0 < score(r) < eta]
             out[name].update(resampled=len(hits), of_them_repeats=sum(r["repeat"] for r in hits))

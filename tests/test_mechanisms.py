@@ -63,3 +63,31 @@ def test_t2po_flags_reach_the_measured_setting_on_top_of_the_default_run(monkeyp
     assert (args.tti_min_think, args.tds_eta, args.tti_epsilon) == (8, 0.03, 0.05)  # ε left at its default
     assert (args.group_size, args.tasks_per_step, args.tds_max_try) == (4, 2, 1)
     assert args.max_turns == 4  # the default run's preset still applies
+
+
+def test_tds_separation_by_hand_and_none_without_repeats():
+    import sys
+
+    sys.path.insert(0, mechanisms.HERE)
+    import t2po_tds
+
+    def record(repeat: bool, gamma: float) -> dict:
+        return dict(repeat=repeat, gamma_before=gamma, gamma_now=gamma, lengths=[3, 3],
+                    prev=dict(entropies=[1.0]), cur=dict(entropies=[1.0]))
+
+    # one repeat (Γ 0.1) against others 0.2 (above it: 1), 0.05 (below: 0), 0.1 (tie: 0.5) -> 1.5 / 3
+    out = t2po_tds.summary([record(True, 0.1), record(False, 0.2), record(False, 0.05), record(False, 0.1)],
+                           eta=0.15)["gamma_now"]
+    assert (out["separation"], out["median_repeat"], out["median_other"]) == (0.5, 0.1, 0.1)
+    assert (out["resampled"], out["of_them_repeats"]) == (3, 1)  # Γ 0.1 (the repeat), 0.05, 0.1 < 0.15
+    # no repeat: nothing to separate, and no median of repeats (not a misleading 0)
+    out = t2po_tds.summary([record(False, 0.1), record(False, 0.3)], eta=0.15)["gamma_now"]
+    assert (out["separation"], out["median_repeat"], out["median_other"]) == (None, None, 0.2)
+    import json
+    import os
+
+    with open(os.path.join(mechanisms.HERE, "results", "mechanisms", "t2po_long_thoughts_seed1.json")) as f:
+        measured = json.load(f)["t2po"]  # a committed measurement, for the table's other rows
+    assert "| - (median Γ, repeats / others: - / 0.2) |" in mechanisms.table(
+        {"t2po": {**measured, "tds_gamma_separation": out["separation"],
+                  "tds_gamma_median_repeat_other": [out["median_repeat"], out["median_other"]]}})
