@@ -399,6 +399,8 @@ def main() -> None:
     for name in ("t2po_tasks", "t2po_group_size", "arpo_questions", "loop_steps", "loop_eval_tasks"):
         if getattr(cli, name) < 1:
             raise SystemExit(f"mechanisms.py: --{name.replace('_', '-')} must be ≥ 1")
+    if cli.json:  # its folder (e.g. runs/, absent in a fresh clone) made now: a bad path fails before the run
+        os.makedirs(os.path.dirname(cli.json) or ".", exist_ok=True)
     if cli.threads:
         torch.set_num_threads(cli.threads)
     scripts = cli.only or ["t2po", "arpo", "loop"]

@@ -1,6 +1,8 @@
 """benchmarks/mechanisms.py's pure parts: LOOP's filter counts from metrics.jsonl lines, and the relative
 difference of two parameter sets. Expected numbers by hand."""
 
+import json
+
 import pytest
 import torch
 
@@ -83,7 +85,6 @@ def test_tds_separation_by_hand_and_none_without_repeats():
     # no repeat: nothing to separate, and no median of repeats (not a misleading 0)
     out = t2po_tds.summary([record(False, 0.1), record(False, 0.3)], eta=0.15)["gamma_now"]
     assert (out["separation"], out["median_repeat"], out["median_other"]) == (None, None, 0.2)
-    import json
     import os
 
     with open(os.path.join(mechanisms.HERE, "results", "mechanisms", "t2po_long_thoughts_seed1.json")) as f:
@@ -91,3 +92,17 @@ def test_tds_separation_by_hand_and_none_without_repeats():
     assert "| - (median Γ, repeats / others: - / 0.2) |" in mechanisms.table(
         {"t2po": {**measured, "tds_gamma_separation": out["separation"],
                   "tds_gamma_median_repeat_other": [out["median_repeat"], out["median_other"]]}})
+
+
+def test_json_folder_is_made_before_the_measurement(monkeypatch, tmp_path):
+    out = tmp_path / "runs" / "mechanisms.json"  # runs/ does not exist in a fresh clone
+
+    def measure(*args):
+        assert out.parent.is_dir()  # made first: a path that cannot be written fails before the run
+        return {}
+
+    monkeypatch.setattr(mechanisms, "t2po_mechanisms", measure)
+    monkeypatch.setattr(mechanisms, "table", lambda result: "")
+    monkeypatch.setattr("sys.argv", ["mechanisms.py", "--only", "t2po", "--json", str(out)])
+    mechanisms.main()
+    assert json.loads(out.read_text())["t2po"] == {}
