@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -47,10 +48,10 @@ def prepare_run_dir(script: str, args) -> str:
     """The run folder for args.out, settled before the model loads; returns its path (the same on every rank).
 
     No --out: a new runs/<script>-<time>. An existing non-empty --out is refused without --resume (a second
-    run would interleave its metrics with the first's and replace its checkpoints); with --resume the
-    differences from the saved args.json are printed, or that there is no checkpoint to resume. Writes
-    args.json. Any problem ends the run with one line naming --out (or --report-to, whose package must
-    be installed)."""
+    run would interleave its metrics with the first's and replace its checkpoints); with --resume a folder
+    another script wrote is refused, else the differences from the saved args.json are printed, or that
+    there is no checkpoint to resume. Writes args.json, with "script": the script's name. Any problem ends
+    the run with one line naming --out (or --report-to, whose package must be installed)."""
     outcome = _prepare_run_dir(script, args) if dist.is_main() else None
     out, message = dist.broadcast_object(outcome)
     if out is None:
@@ -75,14 +76,18 @@ def _prepare_run_dir(script: str, args) -> tuple[str | None, str]:
         elif os.path.isdir(out) and os.listdir(out) and not resume:
             return None, (f"{script}: --out {out} already holds a run; pass --resume to continue it, "
                           "or another --out")
-        os.makedirs(out, exist_ok=True)
         saved = os.path.join(out, "args.json")
+        writer = _writer(saved) if resume else None
+        if writer not in (None, script):  # its checkpoint would not fit this script's model or state
+            return None, (f"{script}: --resume: --out {out} holds a {writer} run; resume it with {writer}, "
+                          "or pass another --out")
+        os.makedirs(out, exist_ok=True)
         message = "" if args.out else f"{script}: run folder {out}"
         if resume and not _checkpoints(out):
             message = f"{script}: --resume: no checkpoint in {out}; starting fresh"
         elif resume:
             message = _args_changes(script, saved, _args_dict(args))
-        now = {**_args_dict(args), "out": out}
+        now = {**_args_dict(args), "out": out, "script": script}
         tmp = saved + ".tmp"
         with open(tmp, "w") as f:
             json.dump(now, f, indent=2, default=str)
@@ -104,6 +109,26 @@ def _new_run_dir(base: str) -> str:
     raise FileExistsError(f"{base}-*: 999 runs started in one second")
 
 
+# A key only that script's args have: names the writer of an args.json saved before it recorded "script".
+_OWN_KEY = {"importance_weight": "loop.py", "branch_k": "arpo.py", "tti": "t2po.py"}
+
+
+def _writer(saved_path: str) -> str | None:
+    """The script that wrote the run folder's args.json, or None when the file cannot tell (unreadable,
+    absent, or no key of one script only)."""
+    try:
+        with open(saved_path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None  # _args_changes says it cannot compare
+    if not isinstance(saved, dict):
+        return None
+    if "script" in saved:
+        return str(saved["script"])
+    writers = {script for key, script in _OWN_KEY.items() if key in saved}
+    return writers.pop() if len(writers) == 1 else None
+
+
 def _args_changes(script: str, saved_path: str, now: dict) -> str:
     """One line listing the args that differ from the saved args.json ('' when none do)."""
     try:
@@ -114,7 +139,7 @@ def _args_changes(script: str, saved_path: str, now: dict) -> str:
     now = json.loads(json.dumps(now, default=str))  # tuples -> lists, as the saved file holds them
     missing = object()
     changed = [f"{k} {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
-               for k in sorted(saved.keys() | now.keys()) if k not in ("resume", "out")
+               for k in sorted(saved.keys() | now.keys()) if k not in ("resume", "out", "script")
                and saved.get(k, missing) != now.get(k, missing)]
     if not changed:
         return ""
@@ -156,18 +181,56 @@ def _args_dict(args) -> dict:
 
 def save_checkpoint(out_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, args,
                     extra: dict | None = None, keep: int = 2) -> str:
-    """Write <out>/checkpoints/step_<step>/ atomically, keep the newest `keep`; returns its path."""
+    """Write <out>/checkpoints/step_<step>/ atomically, keep the newest `keep`; returns its path.
+
+    A write the OS refuses (a full disk) ends the run on every rank with one line naming the step, the
+    reason and the previous checkpoint, which is left as it was."""
     folder = os.path.join(out_dir, "checkpoints")
     final = os.path.join(folder, f"step_{step}")
     full_weights, optim_state = _full_states(model, optimizer)  # FSDP2: a collective, so on every rank
-    if not dist.is_main():
-        dist.barrier()  # wait until rank 0 has written it
-        return final
-    try:
-        _write_checkpoint(out_dir, final, step, model, full_weights, optim_state, args, extra, keep)
-    finally:
-        dist.barrier()
+    problem = None
+    if dist.is_main():
+        try:
+            _write_checkpoint(out_dir, final, step, model, full_weights, optim_state, args, extra, keep)
+        except Exception as e:
+            reason = _write_failure(e)
+            if reason is None:
+                raise  # not the disk: a bug, whose traceback is wanted
+            problem = _not_saved(out_dir, step, reason)
+        finally:
+            # on every path, as the other ranks wait here for rank 0 to have written; they learn the outcome
+            problem = dist.broadcast_object(problem)
+    else:
+        problem = dist.broadcast_object(None)
+    if problem:
+        raise SystemExit(problem)
     return final
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """The OS's reason (e.g. "No space left on device") when `error` or one it was raised from is a failed
+    system call, else None. torch.save raises a RuntimeError with the file object's OSError as its context;
+    safetensors (Rust) only names the errno in its message."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.strerror or os.strerror(e.errno)
+        match = re.search(r"\(os error (\d+)\)", str(e))
+        if match:
+            return os.strerror(int(match.group(1)))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _not_saved(out_dir: str, step: int, reason: str) -> str:
+    """The line that ends a run whose checkpoint of `step` could not be written."""
+    kept = _checkpoints(out_dir)
+    todo = "free space (or fix the folder), then rerun"
+    then = (f"the previous one, {os.path.basename(kept[-1][1])}, is intact: {todo} with --resume to "
+            "continue from it") if kept else f"there is no earlier one: {todo}"
+    return f"step {step}: cannot save the checkpoint in {out_dir}/checkpoints ({reason}); {then}"
 
 
 def _options(**kwargs):
@@ -257,14 +320,11 @@ def _write_checkpoint(out_dir: str, final: str, step: int, model: nn.Module, ful
                 full_weights.pop("lm_head.weight", None)  # the embedding, gathered a second time
             unwrap(model).save_pretrained(os.path.join(tmp, "weights"), state_dict=full_weights)
         _loadable_anywhere(os.path.join(tmp, "weights"), model, args)
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
-        torch.save({"step": step, "extra": extra, "rng": rng_states()}, os.path.join(tmp, "state.pt"))
+        _torch_save(optim_state, os.path.join(tmp, "optimizer.pt"))
+        _torch_save({"step": step, "extra": extra, "rng": rng_states()}, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(_args_dict(args), f, indent=1, default=str)
-        if os.path.isdir(final):  # the same step saved again (e.g. after a resume): replace it
-            old = tempfile.mkdtemp(prefix=f".tmp-old-step_{step}-", dir=folder)
-            os.rename(final, os.path.join(old, "ckpt"))
-        os.rename(tmp, final)
+        _put_in_place(tmp, final, step)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for _, path in _checkpoints(out_dir)[:-keep]:
@@ -272,6 +332,29 @@ def _write_checkpoint(out_dir: str, final: str, step: int, model: nn.Module, ful
     for name in os.listdir(folder):
         if name.startswith(".tmp-old-"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def _torch_save(obj, path: str) -> None:
+    # through a Python file object: a failed write (a full disk) then reaches the RuntimeError torch raises
+    # as an OSError with its errno; given a path, torch writes in C++ and the reason is lost
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _put_in_place(tmp: str, final: str, step: int) -> None:
+    """Rename the written checkpoint `tmp` to `final`; the same step saved again (e.g. after a resume)
+    replaces it, and is put back if the rename fails."""
+    if not os.path.isdir(final):
+        os.rename(tmp, final)
+        return
+    parked = tempfile.mkdtemp(prefix=f".tmp-old-step_{step}-", dir=os.path.dirname(final))
+    os.rename(final, os.path.join(parked, "ckpt"))
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(os.path.join(parked, "ckpt"), final)
+        os.rmdir(parked)
+        raise
 
 
 def public_model_id(given: str) -> str:
@@ -318,9 +401,9 @@ def load_checkpoint(out_dir: str, model: nn.Module, optimizer: torch.optim.Optim
 
     Every file of a checkpoint is read before anything is restored; one that is missing or truncated (a
     full disk, a crash before the data reached the disk) makes it unreadable: one line names the file,
-    the checkpoint is renamed `step_<N>.unreadable` (so it is neither resumed nor counted as one of the
-    kept ones) and the previous one is tried. Returns {"step", "extra", "args", "path"}, or None when
-    there is no readable checkpoint (the run starts fresh).
+    the checkpoint is renamed `step_<N>.unreadable` (`.unreadable-2`, ... when that name is taken; so it is
+    neither resumed nor counted as one of the kept ones) and the previous one is tried. Returns {"step",
+    "extra", "args", "path"}, or None when there is no readable checkpoint (the run starts fresh).
     """
     found, loaded, bad = _checkpoints(out_dir), None, []
     while found and loaded is None:
@@ -334,9 +417,8 @@ def load_checkpoint(out_dir: str, model: nn.Module, optimizer: torch.optim.Optim
                 print(f"checkpoint {path} is unreadable ({e}); {then}", file=sys.stderr, flush=True)
     dist.barrier()  # every rank has read the files before rank 0 renames the bad ones
     if dist.is_main():
-        for folder in bad:
-            shutil.rmtree(folder + ".unreadable", ignore_errors=True)
-            os.rename(folder, folder + ".unreadable")
+        for folder in bad:  # an earlier unreadable copy of the same step is kept too
+            os.rename(folder, metrics.free_path(folder, ".unreadable"))
     if loaded is None:
         return None
     sharded = dist.is_sharded(model)

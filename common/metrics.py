@@ -47,12 +47,33 @@ def keep_rows_through(path: str, last_step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def free_path(path: str, suffix: str) -> str:
+    """path + suffix, or + suffix-2, -3, ...: the first name nothing holds, so a rename never replaces an
+    earlier copy the user may still want."""
+    candidate, n = path + suffix, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}{suffix}-{n}"
+    return candidate
+
+
+def set_aside(path: str) -> None:
+    """A new run starting over a non-empty metrics file (--resume found no readable checkpoint): rename the
+    old rows to <path>.old (.old-2, ...) rather than empty the file, and say so in one line."""
+    if not (os.path.isfile(path) and os.path.getsize(path) > 0):
+        return
+    aside = free_path(path, ".old")
+    os.rename(path, aside)
+    print(f"starting fresh: the earlier rows of {path} are now in {aside}", file=sys.stderr, flush=True)
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str, total_steps: int, desc: str = "train", *,
                  initial_step: int | None = None, report_to: str = "none", config: dict | None = None,
                  tensorboard: bool = False, enabled: bool = True):
-        """initial_step: None for a new run (metrics.jsonl is started afresh); for --resume the step of the
-        checkpoint: rows of later steps are dropped (keep_rows_through), then new rows are appended.
+        """initial_step: None for a new run (metrics.jsonl is started afresh; rows already there are moved
+        aside, see set_aside); for --resume the step of the checkpoint: rows of later steps are dropped
+        (keep_rows_through), then new rows are appended.
         report_to: REPORT_TO's keys (tensorboard=True: the same as "tensorboard"); config: the run's args,
         for wandb. enabled=False (ranks other than 0) makes every call a no-op."""
         self.enabled = enabled
@@ -62,7 +83,9 @@ class MetricsLogger:
             return
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "metrics.jsonl")
-        if initial_step is not None:
+        if initial_step is None:
+            set_aside(path)
+        else:
             keep_rows_through(path, initial_step)
         self.file = open(path, "w" if initial_step is None else "a")
         self.bar = tqdm(total=total_steps, initial=initial_step or 0, desc=desc, dynamic_ncols=True)

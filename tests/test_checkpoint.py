@@ -1,8 +1,11 @@
+import errno
 import importlib
 import json
 import os
 import random
 import re
+import resource
+import signal
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -96,7 +99,7 @@ def test_keeps_last_two_and_survives_a_kill_mid_write(tmp_path, monkeypatch):
     real_save = torch.save
 
     def crash_on_state(obj, path, *a, **k):
-        if str(path).endswith("state.pt"):
+        if str(getattr(path, "name", path)).endswith("state.pt"):  # a path, or the file opened on it
             raise KeyboardInterrupt("killed")
         return real_save(obj, path, *a, **k)
 
@@ -224,6 +227,26 @@ def test_no_readable_checkpoint_starts_fresh_and_restores_nothing(tmp_path, caps
     assert err[-1].endswith("; starting fresh")
 
 
+def test_an_unreadable_checkpoint_is_set_aside_beside_an_earlier_unreadable_one(tmp_path, capsys):
+    """step_2 found unreadable twice (written again after the first resume): both copies are kept for a
+    post-mortem, and neither is resumed nor counted among the two checkpoints kept."""
+    model, optimizer, _ = _two_checkpoints(tmp_path)
+    folder = tmp_path / "checkpoints"
+    (folder / "step_2" / "state.pt").write_bytes(b"")
+    assert load_checkpoint(str(tmp_path), model, optimizer)["step"] == 1
+    save_checkpoint(str(tmp_path), 2, model, optimizer, {"seed": 2})  # the resumed run redoes step 2
+    optimizer_pt = folder / "step_2" / "optimizer.pt"
+    optimizer_pt.write_bytes(optimizer_pt.read_bytes()[:100])
+    assert load_checkpoint(str(tmp_path), model, optimizer)["step"] == 1
+    assert sorted(os.listdir(folder)) == ["step_1", "step_2.unreadable", "step_2.unreadable-2"]
+    assert (folder / "step_2.unreadable" / "state.pt").stat().st_size == 0  # the first copy, as it was
+    assert (folder / "step_2.unreadable-2" / "optimizer.pt").stat().st_size == 100
+    for step in (3, 4):
+        save_checkpoint(str(tmp_path), step, model, optimizer, {"seed": step})
+    assert sorted(os.listdir(folder)) == ["step_2.unreadable", "step_2.unreadable-2", "step_3", "step_4"]
+    assert load_checkpoint(str(tmp_path), model, optimizer)["step"] == 4
+
+
 def _args(**kw):
     return SimpleNamespace(**{"out": "", "resume": False, "steps": 2, "lr": 1e-3, **kw})
 
@@ -277,6 +300,45 @@ def test_unwritable_run_folder_is_one_line(tmp_path, resume):
     assert str(exc.value) == f"loop.py: --out {out}: cannot write there (Not a directory)"
 
 
+@pytest.mark.parametrize("writer, legacy", [
+    ("loop.py", None),  # args.json written by prepare_run_dir records the script
+    ("loop.py", {"importance_weight": "token"}),  # one written before it did: a key only that script has
+    ("arpo.py", {"branch_k": 20}),
+    ("t2po.py", {"tti": True}),
+])
+def test_resume_refuses_a_run_folder_another_script_wrote_before_writing_anything(tmp_path, writer, legacy):
+    out = tmp_path / "run"
+    if legacy is None:
+        prepare_run_dir(writer, _args(out=str(out)))
+        assert json.loads((out / "args.json").read_text())["script"] == writer
+    else:
+        out.mkdir()
+        (out / "args.json").write_text(json.dumps({"out": str(out), "steps": 2, **legacy}))
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = (out / "args.json").read_bytes()
+    other = "arpo.py" if writer == "t2po.py" else "t2po.py"
+    with pytest.raises(SystemExit) as exc:
+        prepare_run_dir(other, _args(out=str(out), resume=True))
+    assert str(exc.value) == (f"{other}: --resume: --out {out} holds a {writer} run; "
+                              f"resume it with {writer}, or pass another --out")
+    assert (out / "args.json").read_bytes() == before  # nothing written
+    assert sorted(os.listdir(out)) == ["args.json", "metrics.jsonl"]
+    assert prepare_run_dir(writer, _args(out=str(out), resume=True)) == str(out)  # its own script may
+    assert json.loads((out / "args.json").read_text())["script"] == writer
+
+
+def test_resume_over_an_unreadable_args_json_continues_as_before(tmp_path, capsys):
+    out = tmp_path / "run"
+    model, _ = load_policy(TINY_MODEL, lora_rank=2)
+    save_checkpoint(str(out), 2, model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    (out / "args.json").write_text("{not json")
+    capsys.readouterr()
+    assert prepare_run_dir("arpo.py", _args(out=str(out), resume=True)) == str(out)
+    assert capsys.readouterr().out.strip() == (
+        f"arpo.py: --resume: cannot compare with {out}/args.json (JSONDecodeError); continuing")
+    assert json.loads((out / "args.json").read_text())["script"] == "arpo.py"
+
+
 SCRIPT_ARGV = ["--env", "toy", "--model", "tiny-random"]
 
 
@@ -303,6 +365,91 @@ def test_each_script_checks_the_run_folder_before_loading_the_model(tmp_path, mo
     with pytest.raises(SystemExit, match=rf"^{script}.py: --report-to wandb: wandb is not installed"):
         module.main([*SCRIPT_ARGV, "--report-to", "wandb", "--out", str(tmp_path / "new")])
     assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- a write that fails: the disk is full
+
+def _files(folder) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
+
+
+def _one_line_and_step_1_intact(tmp_path, exc, reason: str, step_1: dict) -> None:
+    assert str(exc.value) == (
+        f"step 2: cannot save the checkpoint in {tmp_path}/checkpoints ({reason}); the previous one, step_1, "
+        "is intact: free space (or fix the folder), then rerun with --resume to continue from it")
+    folder = tmp_path / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["step_1"]  # no .tmp-* folder left behind
+    assert _files(folder / "step_1") == step_1
+
+
+@pytest.mark.parametrize("fails", ["torch.save", "save_weights"])
+def test_a_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_stays(tmp_path, monkeypatch,
+                                                                                 fails):
+    from common import checkpoint
+
+    model, _ = load_policy(TINY_MODEL, lora_rank=2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_step(model, optimizer)
+    save_checkpoint(str(tmp_path), 1, model, optimizer, {"seed": 1})
+    step_1 = _files(tmp_path / "checkpoints" / "step_1")
+    train_step(model, optimizer)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if fails == "torch.save":
+        monkeypatch.setattr(checkpoint.torch, "save", full)
+    else:
+        monkeypatch.setattr(checkpoint, "save_weights", full)
+    with pytest.raises(SystemExit) as exc:
+        save_checkpoint(str(tmp_path), 2, model, optimizer, {"seed": 2})
+    _one_line_and_step_1_intact(tmp_path, exc, "No space left on device", step_1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE")
+@pytest.mark.parametrize("target", ["weights/model.safetensors", "optimizer.pt"])
+def test_a_real_failed_write_is_one_line_too(tmp_path, target):
+    """Not a stand-in: the OS refuses the write (a file-size limit, as a full disk would), so what torch and
+    safetensors really raise is what is read: the reason comes out, not their traceback."""
+    model, _ = load_policy(TINY_MODEL, lora_rank=0)  # full weights: big enough to limit one file
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, optimizer)
+    save_checkpoint(str(tmp_path), 1, model, optimizer, {"seed": 1})
+    step_1 = _files(tmp_path / "checkpoints" / "step_1")
+    limit = len(step_1[target]) - 1  # the target cannot be written whole; the files before it can
+    assert all(len(step_1[name]) <= limit for name in step_1 if name not in (target, "optimizer.pt"))
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write(), not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        with pytest.raises(SystemExit) as exc:
+            save_checkpoint(str(tmp_path), 2, model, optimizer, {"seed": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    _one_line_and_step_1_intact(tmp_path, exc, "File too large", step_1)
+
+
+def test_a_failed_replace_of_the_same_step_puts_the_old_one_back(tmp_path, monkeypatch):
+    model, _ = load_policy(TINY_MODEL, lora_rank=2)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    save_checkpoint(str(tmp_path), 1, model, optimizer, {"seed": 1})
+    step_1 = _files(tmp_path / "checkpoints" / "step_1")
+    real_rename = os.rename
+
+    def full(src, dst):  # the new step_1 cannot take the old one's place
+        if os.path.basename(src).startswith(".tmp-step_1-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", full)
+    with pytest.raises(SystemExit) as exc:
+        save_checkpoint(str(tmp_path), 1, model, optimizer, {"seed": 2})
+    assert str(exc.value).startswith(f"step 1: cannot save the checkpoint in {tmp_path}/checkpoints "
+                                     "(No space left on device); the previous one, step_1, is intact")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1"]
+    assert _files(tmp_path / "checkpoints" / "step_1") == step_1
 
 
 @pytest.mark.slow

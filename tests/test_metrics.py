@@ -36,6 +36,23 @@ def test_resume_from_step_0_keeps_the_step_0_rows_and_a_new_run_starts_afresh(tm
     assert path.read_text() == ""
 
 
+def test_a_fresh_start_moves_earlier_rows_aside_never_over_an_earlier_copy(tmp_path, capsys):
+    """--resume found no readable checkpoint, so the run starts fresh: the rows already in metrics.jsonl
+    are renamed aside, each time to a name nothing holds, and one line says where."""
+    path = tmp_path / "metrics.jsonl"
+    asides = ["metrics.jsonl.old", "metrics.jsonl.old-2", "metrics.jsonl.old-3"]
+    for n, aside in enumerate(asides, 1):
+        path.write_text(f'{{"step": {n}}}\n')
+        MetricsLogger(str(tmp_path), total_steps=4).close()
+        assert path.read_text() == ""
+        said = [line for line in capsys.readouterr().err.splitlines() if "starting fresh" in line]
+        assert said == [f"starting fresh: the earlier rows of {path} are now in {tmp_path / aside}"]
+    assert [(tmp_path / a).read_text() for a in asides] == ['{"step": 1}\n', '{"step": 2}\n', '{"step": 3}\n']
+    MetricsLogger(str(tmp_path), total_steps=4).close()  # an empty file: nothing to keep, nothing said
+    assert "starting fresh" not in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", *asides]
+
+
 def tensorboard_steps(folder, tag: str) -> list[int]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -114,7 +131,7 @@ def test_t2po_logs_its_base_and_rft_evaluations(tmp_path):
     base, rft = rows[0], rows[1]
     assert base == {"step": 0, **summary["base"]}
     assert rft == {"step": 0, **{k.replace("eval/", "eval_cold_start/"): v
-                                 for k, v in summary["rft"].items()}}
+                                 for k, v in summary["cold_start"].items()}}
     assert [row["step"] for row in rows[2:]] == [1, 1] and "reward_mean" in rows[2]  # RL, final eval
 
 
