@@ -13,22 +13,17 @@ Everything else is GiGPO (verl-agent): one training sample per turn with a windo
 episode-level group advantage plus a step-level advantage over anchor-state groups, PPO-clip, no KL.
 Before RL a rejection-sampling fine-tune (RFT) teaches the format from successful trajectories.
 
-Run:
-    python t2po.py                                # CPU demo: RFT then RL on TextWorld, < 15 min
+    python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
-    python t2po.py --env webshop-lite             # the WebShop-like CPU setting (no RL gain yet: docs)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
-    torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B --dry-run   # memory plan
 Read beside docs/t2po.md (equations next to the lines that implement them).
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import re
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,122 +32,82 @@ from typing import Literal
 import numpy as np
 import torch
 
-from common import cli, dist
-from common.checkpoint import load_checkpoint, prepare_run_dir, save_checkpoint
-from common.cli import opt, parse_args
-from common.generation import make_generator
+from common import cli, dist, run
+from common.cli import opt
 from common.logprobs import token_logprobs
-from common.metrics import MetricsLogger
-from common.models import DEFAULT_MODEL, load_policy, resolve_model_path, unwrap
-from envs.base import EnvPool, make_env
+from common.models import unwrap
+from common.run import RunArgs
+from envs.base import EnvPool
 
 
 @dataclass
-class Args:
+class Args(RunArgs):
     """T²PO (ICML 2026): GiGPO with uncertainty-guided thinking stops (TTI) and turn resampling (TDS)."""
 
     preset: Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"] = opt(
         "run", "auto", "settings filled into every flag not given (PRESETS). textworld, webshop-lite: our "
-        "CPU ones; webshop, alfworld, search: the paper's; auto: the one named after --env")
-    env: str = opt("environment", "textworld", "environment (envs registry); textworld, webshop-lite: our "
-                   "CPU settings; webshop, alfworld, search: the paper's (PRESETS). NOTE: those presets "
-                   "start RL from --model with RFT off, NOT from the paper's RFT checkpoints (e.g. "
-                   "willhx/Qwen3-4B-rft-webshop-5): pass one as --model to match the paper")
-    env_options: str = opt("environment", "{}", "JSON keyword arguments for the environment, e.g. "
-                           "'{\"num_options\": 1}' (webshop-lite's CPU preset sets its own)")
-    model: str = opt("model", DEFAULT_MODEL, "HF id or folder; default: packaged SmolLM2")
-    backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine")
-    steps: int = opt("run", 3, "RL iterations")
+        "CPU ones; webshop, alfworld, search: the paper's, which start RL from --model with RFT off, NOT "
+        "from the paper's RFT checkpoints (RFT_CHECKPOINTS): pass one as --model to match the paper")
+    # the shared flags (common/run.py) where T²PO's default differs
+    steps: int = 3
+    tasks_per_step: int = 1  # paper 16
+    temperature: float = 0.7  # paper 1.0
+    max_new_tokens: int = 40  # paper 300 / 500
+    eval_tasks: int = 6
+    weight_decay: float = 0.0
+    cold_start_episodes: int = 6
+    cold_start_lr: float = 5e-5
     epochs: int = opt("run", 0, "> 0: set --steps to this many passes over the training tasks, "
-                      "tasks-per-step at a time (the search preset: 1, its script's total_epochs)")
-    group_size: int = opt("rollout", 4, "rollouts per task (GiGPO group; paper 8)")
-    tasks_per_step: int = opt("rollout", 1, "tasks per iteration (paper 16)")
-    lr: float = opt("optimisation", 1e-5, "RL learning rate (paper 1e-6)")
-    lora_rank: int = opt("model", 0, "LoRA rank; 0 = full fine-tune")
-    lora_alpha: int = opt("model", 32, "LoRA alpha")
-    dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
-    temperature: float = opt("rollout", 0.7, "training sampling temperature (paper 1.0)")
-    max_turns: int = opt("environment", 3, "environment steps per episode (paper 15 / 50)")
-    max_new_tokens: int = opt("rollout", 40, "response tokens per turn (paper 300 / 500)")
-    history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)")
-    max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts")
-    eval_every: int = opt("run", 0, "also evaluate every N RL steps")
-    save_every: int = opt("run", 4, "checkpoint every N RL steps (and at the end)")
-    eval_tasks: int = opt("run", 6, "held-out tasks per evaluation")
-    eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6")
-    eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95")
-    eval_top_k: int = opt("run", 0, "paper's val sampling: 20")
-    out: str = opt("run", "", "run folder: args.json, metrics.jsonl, checkpoints/ (default: a new "
-                   "runs/t2po-<time>; an existing one needs --resume)")
-    resume: bool = opt("run", False, "continue from the last checkpoint in --out")
-    report_to: Literal["none", "tensorboard", "wandb"] = opt(
-        "run", "none", "also log to TensorBoard (<out>/tensorboard) or Weights & Biases (pip install wandb)")
-    seed: int = opt("run", 0, "everything reproducible from it")
-    threads: int = opt("run", 0, "torch CPU threads (0: torch's default; 1 is much faster on a CPU shared "
-                       "with other jobs)")
+                      "tasks-per-step at a time (the search preset: 1, its script's total_epochs)", ge=0)
+    history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)", ge=0)
+    max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts", ge=1)
+    eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
+    eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95", gt=0, le=1)
+    eval_top_k: int = opt("run", 0, "paper's val sampling: 20", ge=0)
     # uncertainty signal M_t (paper Sec. 3.1); alpha and j are not published: ours
-    alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)")
-    top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)")
-    # TTI (token level)
+    alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)", ge=0, le=1)
+    top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)", ge=1)
     tti: bool = opt("algorithm", True, "token-level thinking intervention")
-    tti_window: int = opt("algorithm", 8, "N: mean of |ΔM| over the last N+1 tokens (ours)")
-    tti_epsilon: float = opt("algorithm", 0.05, "ε: act once mean |ΔM| < ε (ours)")
-    tti_min_think: int = opt("algorithm", 16, "L_min: thinking tokens before TTI (ours)")
+    tti_window: int = opt("algorithm", 8, "N: mean of |ΔM| over the last N+1 tokens (ours)", ge=0)
+    tti_epsilon: float = opt("algorithm", 0.05, "ε: act once mean |ΔM| < ε (ours)", ge=0)
+    tti_min_think: int = opt("algorithm", 16, "L_min: thinking tokens before TTI (ours)", ge=0)
     tti_max_think: int = opt("algorithm", 0, "L_max thinking cap; 0: max_new_tokens minus min(32, "
-                             "max_new_tokens/2) for the action (official code: 450)")
-    tti_chunk: int = opt("algorithm", 40, "tokens between TTI scans (waste ≤ chunk)")
-    # TDS (turn level)
+                             "max_new_tokens/2) for the action (official code: 450)", ge=0)
+    tti_chunk: int = opt("algorithm", 40, "tokens between TTI scans (waste ≤ chunk)", ge=1)
     tds: bool = opt("algorithm", True, "turn-level dynamical sampling (training only)")
-    tds_eta: float = opt("algorithm", 0.3, "η: resample the turn when |Φ_k − Φ_{k−1}| < η")
-    tds_max_try: int = opt("algorithm", 2, "B_max: resamples per turn")
-    # reward and advantage (GiGPO)
+    tds_eta: float = opt("algorithm", 0.3, "η: resample the turn when |Φ_k − Φ_{k−1}| < η", ge=0)
+    tds_max_try: int = opt("algorithm", 2, "B_max: resamples per turn", ge=0)
     success_reward: float = opt("environment", 10.0, "reward = this × success")
     reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); env: 10 × "
                                             "the env's own final reward (WebShop score, toy)")
     format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own episode score "
-                                "and step return, after discounting (verl-agent)")
+                                "and step return, after discounting (verl-agent)", ge=0)
     inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list is "
                                      "invalid too (official ALFWorld projection; on in the alfworld preset)")
-    gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns")
+    gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
     std_normalize: bool = opt("algorithm", False, "divide advantages by the group std (verl-agent's "
                               "mean_std_norm)")
     step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib similarity ratio "
                                  "≥ this (1 = identical text; the search preset: 0.9, verl-agent's "
-                                 "enable_similarity)")
-    # PPO
-    clip_eps: float = opt("algorithm", 0.2, "PPO clip ε")
+                                 "enable_similarity)", gt=0, le=1)
+    clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
     dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| per token "
-                           "(verl's actor clip_ratio_c, 3.0); 0 = off")
-    kl_coef: float = opt("algorithm", 0.0, "low-var KL to the initial policy (0 = off)")
+                           "(verl's actor clip_ratio_c, 3.0); 0 = off", ge=0)
     minibatch_size: int = opt("optimisation", 32, "turn samples per optimizer step (verl's "
-                              "ppo_mini_batch_size)")
-    micro_batch_size: int = opt("optimisation", 4, "turn samples per forward pass")
-    gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (on in the paper "
-                                       "presets: docs/scaling.md)")
-    max_grad_norm: float = opt("optimisation", 1.0, "gradient-norm clip")
-    # cold start
-    cold_start: bool = opt("cold start", True, "cold start before RL: RFT, a rejection-sampling fine-tune "
-                           "on successful trajectories")
+                              "ppo_mini_batch_size)", ge=1)
     cold_start_source: Literal["auto", "expert", "sample"] = opt(
-        "cold start", "auto", "expert trajectories where the env has an expert (auto), else rejection "
-        "sampling (sample)")
-    cold_start_episodes: int = opt("cold start", 6, "episodes collected for RFT")
-    cold_start_epochs: int = opt("cold start", 1, "SFT epochs over the kept turns")
-    cold_start_lr: float = opt("cold start", 5e-5, "SFT learning rate")
+        "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where it has "
+        "one (auto), else rejection sampling from the policy (sample)")
     expert_thoughts: Literal["short", "long"] = opt(
         "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in TextWorld, the "
         "action, then the task's sentence for this step and the steps done (~40 tokens that add nothing "
         "once the action is written: what TTI is meant to cut; needs --max-new-tokens 96)")
-    # torchrun
-    parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
-        "torchrun", "auto", "auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params")
-    dry_run: bool = opt("torchrun", False, "print the per-rank memory plan and exit")
 
 
 # The paper's settings per environment (T²PO's scripts on verl-agent, examples/*_trainer/train_*.sh); a flag
 # given explicitly wins. total_epochs=200 over a 16-task training set is 200 steps. They start from --model
-# with RFT off: the paper starts RL from its own RFT checkpoints (RFT_CHECKPOINTS), which main() says loudly.
+# with RFT off: the paper starts RL from its own RFT checkpoints (RFT_CHECKPOINTS), as check_args says.
 PRESETS: dict[str, dict] = {
     "webshop": dict(group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
                     history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
@@ -184,50 +139,19 @@ PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_g
                             cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1)
 
 
-def apply_preset(args: Args, argv: list[str]) -> Args:
-    """Fill PRESETS[--preset] (auto: the one named after --env; the paper's settings, or our CPU ones) into
-    every field argv does not set. An explicit --steps also overrides a preset's --epochs."""
-    return cli.apply_preset(args, argv, PRESETS, overridden_by={"epochs": "steps"})
-
-
-# (field, lowest allowed, lowest excluded?): a value below is a user error, refused before the model loads
-LOWER_BOUNDS = [
-    ("steps", 1, False), ("epochs", 0, False), ("group_size", 1, False), ("tasks_per_step", 1, False),
-    ("lr", 0, True), ("lora_rank", 0, False), ("lora_alpha", 0, True), ("temperature", 0, True),
-    ("max_turns", 1, False),
-    ("max_new_tokens", 1, False), ("history_length", 0, False), ("max_obs_chars", 1, False),
-    ("eval_every", 0, False), ("save_every", 1, False), ("eval_tasks", 1, False),
-    ("eval_temperature", 0, False), ("eval_top_p", 0, True), ("eval_top_k", 0, False), ("threads", 0, False),
-    ("alpha", 0, False), ("top_j", 1, False), ("tti_window", 0, False), ("tti_epsilon", 0, False),
-    ("tti_min_think", 0, False), ("tti_max_think", 0, False), ("tti_chunk", 1, False), ("tds_eta", 0, False),
-    ("tds_max_try", 0, False), ("format_penalty", 0, False), ("gamma", 0, False),
-    ("step_similarity", 0, True), ("clip_eps", 0, True), ("dual_clip", 0, False), ("kl_coef", 0, False),
-    ("minibatch_size", 1, False), ("micro_batch_size", 1, False), ("max_grad_norm", 0, True),
-    ("cold_start_episodes", 0, False), ("cold_start_epochs", 0, False), ("cold_start_lr", 0, True),
-]
-UPPER_BOUNDS = {"alpha": 1.0, "eval_top_p": 1.0, "gamma": 1.0, "step_similarity": 1.0}
-
-
 def check_args(args: Args) -> None:
-    """One clear line naming the flag for a value that makes no sense (a 0 group size divides by zero, a
-    negative temperature samples the reversed distribution, ...), before anything loads."""
-    def refuse(name: str, why: str) -> None:
-        raise SystemExit(f"t2po.py: --{name.replace('_', '-')} {getattr(args, name)}: {why}")
-
-    for name, low, strict in LOWER_BOUNDS:
-        value = getattr(args, name)
-        if value < low or (strict and value == low):
-            refuse(name, f"must be {'>' if strict else '≥'} {low}")
-        if name in UPPER_BOUNDS and value > UPPER_BOUNDS[name]:
-            refuse(name, f"must be ≤ {UPPER_BOUNDS[name]}")
+    """Rules between flags (each flag's own bounds are declared with it), and the paper presets' warning."""
     if 0 < args.dual_clip <= 1:
-        refuse("dual_clip", "the dual-clip bound must be > 1 (or 0 = off)")
+        raise cli.bad_flag("t2po.py", "dual_clip", args.dual_clip, "must be > 1 (or 0 = off)")
     if args.expert_thoughts == "long" and args.env != "textworld":
-        refuse("expert_thoughts", f"long thoughts quote TextWorld's task sentences, which --env {args.env} "
-               "does not have")
+        raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts quote "
+                           f"TextWorld's task sentences, which --env {args.env!r} does not have")
+    if args.preset in ("webshop", "alfworld", "search") and args.model != RFT_CHECKPOINTS.get(args.preset):
+        checkpoint = RFT_CHECKPOINTS.get(args.preset, "huggingface.co/collections/willhx/t2po")
+        run.say(f"WARNING: the {args.preset} preset starts from {args.model}, NOT from the paper's RFT "
+                f"checkpoint ({checkpoint}); its numbers are not comparable to the paper's")
 
 
-# ---------------------------------------------------------------------------------------------------
 # Prompting (verl-agent templates, shortened): task, last P turns, current observation, admissible
 # actions. Each turn is one training sample: this prompt -> the model's response.
 
@@ -260,7 +184,6 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# ---------------------------------------------------------------------------------------------------
 # Format check and projection to an env action (the official projection, agent_system/environments/
 # env_package/*/projection.py): exactly one <think>…</think> then one <action>…</action>, nothing else, tags
 # matched case-insensitively; the action is lower-cased. An ill-formed turn is invalid (penalised) but still
@@ -290,7 +213,6 @@ def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str,
     return text[-30:], False
 
 
-# ---------------------------------------------------------------------------------------------------
 # Uncertainty signal (paper Sec. 3.1)
 
 def token_confidence(top_logprobs: list[float], j: int) -> float:
@@ -318,7 +240,6 @@ def uncertainty(entropies: list[float], confidences: list[float], alpha: float, 
     return [alpha * ht + (1 - alpha) * (1 - ct) for ht, ct in zip(h, c, strict=True)]
 
 
-# ---------------------------------------------------------------------------------------------------
 # TTI: token-level thinking intervention
 
 FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<action>`
@@ -434,7 +355,6 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
     return outs
 
 
-# ---------------------------------------------------------------------------------------------------
 # TDS: turn-level dynamical sampling (training rollouts only)
 
 def turn_signal(m: list[float]) -> float:
@@ -473,7 +393,6 @@ def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
     return tds_should_resample(phi, phi_prev, args.tds_eta)
 
 
-# ---------------------------------------------------------------------------------------------------
 # GiGPO advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
 
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
@@ -559,7 +478,6 @@ def gigpo_advantages(episodes: list[dict], gamma: float, omega: float, std_norma
     return [[next(flat) for _ in ep["turns"]] for ep in episodes]
 
 
-# ---------------------------------------------------------------------------------------------------
 # Rollout: every episode of a batch advances one turn at a time; each turn is generated as one batch.
 
 def turn_seed(*key: int) -> int:
@@ -674,57 +592,21 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
     return summarise(episodes, stats, prefix="eval/")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Cold start: rejection-sampling fine-tuning (RFT)
-
-def expert_thought(action: str) -> str:
-    """A one-line reason for a WebShop or TextWorld expert action (the expert has none). Short on purpose:
-    it and the action must fit the CPU demo's response budget and leave the thinking style open for RL."""
-    if action.startswith("go "):  # TextWorld
-        return "The task says which way to go."
-    if action.startswith("take "):
-        return "The coin is here, so take it."
-    if action.startswith("search["):
-        return "Search for the product the task describes."
-    if action == "click[buy now]":
-        return "This item fits the task, so buy it."
-    if action.startswith("click[") and action[6:-1] in ("next >", "< prev", "back to search"):
-        return "The target is not on this page; navigate."
-    return "Open the result that best matches the task."
-
-
-def task_steps(instruction: str) -> list[str]:
-    """The sentences of a TextWorld coin-collector task that name a move or the coin, in order: one per
-    step of its walkthrough ("First off, head west.", "Then, travel north.", "That done, take the coin …")."""
-    sentences = re.split(r"(?<=[.!?])\s+", instruction)
-    return [s for s in sentences if re.search(r"\b(north|south|east|west|coin)\b", s)]
-
-
-def long_expert_thought(action: str, instruction: str, k: int) -> str:
-    """`--expert-thoughts long` (ours): the decision first, then a justification that quotes the task and
-    counts the steps done. Everything after the first words is predictable: a thought whose uncertainty
-    settles once the action is decided, the overthinking TTI is meant to cut (docs/t2po.md). Falls back to
-    the short thought when the task has no sentence for step k."""
-    steps = task_steps(instruction)
-    if k >= len(steps):
-        return expert_thought(action)
-    return (f'I {action}. Step {k + 1} of the task says: "{steps[k]}" '
-            f"I have done {k} of its {len(steps)} steps.")
-
+# Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
 
 def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
-    """Replay the environment's scripted expert (`env.expert_action()` for the current state), written as
-    `<think>…</think><action>…</action>` turns with the same prompts the policy will see."""
+    """Replay the environment's scripted expert (`env.expert_action()`, with `env.expert_thought()` as its
+    reason), written as `<think>…</think><action>…</action>` turns with the same prompts the policy sees."""
     episodes = []
     for task in tasks:
         obs, info = env.reset(task)
         history, turns, won = [], [], False
-        for k in range(args.max_turns):
-            action, instruction = env.expert_action(), info.get("instruction", "")
-            prompt = build_turn_prompt(instruction, history, obs, info.get("admissible_actions") or [],
-                                       args.history_length, args.max_obs_chars)
-            thought = (long_expert_thought(action, instruction, k) if args.expert_thoughts == "long"
-                       else expert_thought(action))
+        for _ in range(args.max_turns):
+            action = env.expert_action()
+            prompt = build_turn_prompt(info.get("instruction", ""), history, obs,
+                                       info.get("admissible_actions") or [], args.history_length,
+                                       args.max_obs_chars)
+            thought = env.expert_thought(action, long=args.expert_thoughts == "long")
             text = f"<think>{thought}</think>\n<action>{action}</action>"
             next_obs, _, done, info = env.step(action)
             turns.append(dict(prompt=prompt, text=text, valid=True))
@@ -741,48 +623,59 @@ def rft_keep(episodes: list[dict]) -> list[dict]:
     return [t for ep in episodes if ep["won"] and all(t["valid"] for t in ep["turns"]) for t in ep["turns"]]
 
 
-def sft(policy, samples: list[tuple[list[int], list[int], list[int]]], args: Args, lr: float, epochs: int,
-        rng: np.random.Generator) -> float:
-    """Supervised fine-tuning on (prompt ids, response ids, mask): mean NLL of the response tokens whose mask
-    is 1 (a sampled turn's TTI-forced tokens are 0: the policy did not choose them, as in RL), one optimizer
-    step per `--micro-batch-size` samples. Under torchrun each rank takes its share of every micro-batch (the
-    order comes from the plain seed, the same on every rank) and divides by the global token count."""
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=0.0)
-    turns = [dict(prompt_ids=p, response_ids=r, mask=m) for p, r, m in samples]
-    policy.train()
-    loss_value = float("nan")
-    for _ in range(epochs):
-        order = rng.permutation(len(turns)).tolist()
-        for b in range(0, len(order), args.micro_batch_size):
-            mine = [turns[i] for i in dist.shard(order[b:b + args.micro_batch_size])]
-            [(batch, weight)] = padded_microbatches(mine, len(mine) or 1)
-            logp, mask = turn_logprobs(policy, batch, 1.0)  # (B, T-1)
-            n_tokens = max(1.0, dist.all_reduce(float(mask.sum()) * weight))
-            loss = -(logp * mask).sum() * weight / n_tokens
-            optimizer.zero_grad()
-            (loss * dist.grad_scale()).backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
-            loss_value = dist.all_reduce(loss.item())
-    policy.eval()
-    return loss_value
+def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list, args: Args) -> tuple:
+    """Rejection sampling from the policy itself: each rank plays its share of --cold-start-episodes; every
+    rank keeps every rank's successful turns."""
+    episodes, turns, per_rank = [], [], args.group_size  # episodes per rank per round
+    pool = EnvPool(args.env, per_rank, **options)
+    for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
+        first = r * dist.world_size() * per_rank
+        ids = dist.shard(list(range(first, first + dist.world_size() * per_rank)))
+        tasks = [train_tasks[i % len(train_tasks)] for i in ids]
+        eps, _ = rollout(generator, tokenizer, pool, tasks, ids, args, step=-1, train=False,
+                         temperature=args.temperature, keys=ids)
+        for part_eps, part_turns in dist.all_gather_object(([e["won"] for e in eps], rft_keep(eps))):
+            episodes += [dict(won=won) for won in part_eps]
+            turns += [dict(prompt_ids=t["prompt_ids"], response_ids=t["response_ids"], mask=t["mask"])
+                      for t in part_turns]
+    return episodes, turns
 
 
-# ---------------------------------------------------------------------------------------------------
+def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rng=None) -> dict:
+    """RFT: SFT on the turns of successful, well-formed trajectories of the env's scripted expert (or of the
+    policy itself): the mean NLL of the policy's tokens (a sampled turn's TTI-forced tokens are masked)."""
+    t0 = time.time()
+    rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
+    source = args.cold_start_source
+    if source == "auto":
+        source = "expert" if hasattr(env, "expert_action") else "sample"
+    if source == "expert" and not hasattr(env, "expert_action"):
+        raise cli.bad_flag("t2po.py", "cold_start_source", source, f"{args.env!r} has no scripted expert")
+    if source == "expert":
+        picks = rng.choice(len(train_tasks), min(args.cold_start_episodes, len(train_tasks)), replace=False)
+        episodes = expert_episodes(env, [train_tasks[i] for i in picks], args)
+        eos = [r.tokenizer.eos_token_id]
+        responses = [(t, r.tokenizer(t["text"], add_special_tokens=False)["input_ids"] + eos)
+                     for t in rft_keep(episodes)]
+        turns = [dict(prompt_ids=encode_prompt(r.tokenizer, t["prompt"]), response_ids=x, mask=[1] * len(x))
+                 for t, x in responses]
+    else:
+        episodes, turns = sampled_rft_turns(r.generator, r.tokenizer, options, train_tasks, args)
+    run.say(f"[rft] {len(turns)} turns kept from {sum(ep['won'] for ep in episodes)}/{len(episodes)} "
+            f"successful episodes ({source})")
+    if not turns:
+        return {}
+    log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows])  # noqa: E731
+    loss = run.sft(r.policy, len(turns), log_likelihood, lr=args.cold_start_lr,
+                   weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                   epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
+                   permute=lambda n: rng.permutation(n).tolist())
+    r.generator.update_weights(r.model)
+    run.say(f"[rft] SFT loss {loss:.3f}  ({time.time() - t0:.0f}s)")
+    return {"cold_start/samples": len(turns), "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
+
+
 # Loss and update: PPO clip, token-mean over the minibatch, optional low-var KL.
-
-def pad_batch(seqs: list[list[int]], masks: list[list[int]], device=None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to (B, T): input ids, attention mask, loss mask (1 = response token of the policy), on
-    `device`: the policy's (on a GPU the forward refuses inputs left on the CPU)."""
-    width = max(len(s) for s in seqs)
-    pad = lambda rows: [list(r) + [0] * (width - len(r)) for r in rows]  # noqa: E731
-    ids = torch.tensor(pad(seqs), dtype=torch.long, device=device)  # (B, T)
-    attn = torch.tensor(pad([[1] * len(s) for s in seqs]), dtype=torch.long, device=device)  # (B, T)
-    loss_mask = torch.tensor(pad(masks), dtype=torch.float32, device=device)  # (B, T)
-    return ids, attn, loss_mask
-
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   clip_eps: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -808,18 +701,22 @@ def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def turn_batch(samples: list[dict], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return pad_batch([s["prompt_ids"] + s["response_ids"] for s in samples],
-                     [[0] * len(s["prompt_ids"]) + s["mask"] for s in samples], device)
+    """prompt + response right-padded: (B, T) input ids, attention mask and loss mask (1 = a token the policy
+    sampled), on the policy's device (on a GPU the forward refuses inputs left on the CPU)."""
+    seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    masks = [[0] * len(s["prompt_ids"]) + s["mask"] for s in samples]
+    width = max(len(s) for s in seqs)
+    pad = lambda rows: [list(r) + [0] * (width - len(r)) for r in rows]  # noqa: E731
+    return (torch.tensor(pad(seqs), dtype=torch.long, device=device),  # (B, T)
+            torch.tensor(pad([[1] * len(s) for s in seqs]), dtype=torch.long, device=device),  # (B, T)
+            torch.tensor(pad(masks), dtype=torch.float32, device=device))  # (B, T)
 
 
-def padded_microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
-    """(samples, weight) micro-batches, as many on every rank: under torchrun each backward is a collective
-    (DDP's gradient all-reduce), so a rank with fewer runs zero-weight ones. A rank with no samples at all
-    gets a placeholder sample (its loss is multiplied by 0). One process: the plain micro-batches."""
-    micro = [(samples[b:b + size], 1.0) for b in range(0, len(samples), size)]
-    n = dist.all_reduce(len(micro), "max")
-    filler = samples[:1] or [dict(prompt_ids=[0], response_ids=[0], mask=[0], advantage=0.0)]
-    return micro + [(filler, 0.0)] * (n - len(micro))
+def microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
+    """(samples, weight) micro-batches, as many on every rank (dist.same_count). A rank with no samples runs
+    a placeholder whose one target token keeps the backward connected to the weights (its weight is 0)."""
+    filler = samples[:1] or [dict(prompt_ids=[0], response_ids=[0], mask=[1], advantage=0.0)]
+    return dist.same_count([samples[b:b + size] for b in range(0, len(samples), size)], filler)
 
 
 def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -830,11 +727,18 @@ def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.T
     return token_logprobs(model, ids, attn, temperature=temperature, target_mask=mask), mask
 
 
+def sft_log_likelihood(policy, turns: list[dict]) -> tuple[torch.Tensor, float]:
+    """RFT's SFT term: Σ log π over the turns' policy tokens (a sampled turn's forced tokens are masked, as
+    in RL), and their number."""
+    logp, mask = turn_logprobs(policy, turns, 1.0)  # (B, T-1)
+    return (logp * mask).sum(), float(mask.sum())
+
+
 @torch.no_grad()
 def policy_logprobs(model, samples: list[dict], args: Args, key: str, adapter_off: bool = False) -> None:
     """Log-probs of every turn's tokens under `model` (old policy, or reference for the KL), stored in
     sample[key] as a (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
-    for batch, _ in padded_microbatches(samples, args.micro_batch_size):
+    for batch, _ in microbatches(samples, args.micro_batch_size):
         if adapter_off:
             with unwrap(model).disable_adapter():
                 logp, _ = turn_logprobs(model, batch, args.temperature)
@@ -844,20 +748,24 @@ def policy_logprobs(model, samples: list[dict], args: Args, key: str, adapter_of
             s[key] = row[:len(s["prompt_ids"]) + len(s["response_ids"]) - 1]
 
 
+def turn_samples(episodes: list[dict], advantages: list[list[float]]) -> list[dict]:
+    """One training sample per turn: (prompt ids -> response ids, mask of policy tokens) with its advantage;
+    a turn with no policy token (all forced) trains nothing."""
+    return [dict(turn, advantage=a) for ep, adv in zip(episodes, advantages, strict=True)
+            for turn, a in zip(ep["turns"], adv, strict=True) if sum(turn["mask"]) > 0]
+
+
 def stacked(batch: list[dict], key: str, width: int) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(s[key], (0, width - len(s[key]))) for s in batch])  # (B, T-1)
 
 
-def ppo_update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Generator,
-               reference=None) -> dict:
-    """One epoch over the turn samples; one optimizer step per minibatch.
+def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Generator,
+           reference=None) -> dict:
+    """One epoch over the turn samples, one optimizer step per minibatch, PPO-clip with a token-mean.
 
-    Under torchrun `samples` are this rank's (whole groups) and `policy` is DDP-wrapped. The number of
-    minibatches comes from the global sample count, each rank splits its samples into that many, and each
-    minibatch's token-mean divides by the global token count of that minibatch; the loss is multiplied by
-    `dist.grad_scale()` because DDP averages gradients over ranks. So one optimizer step is the same update
-    on 1, 2 or 8 ranks (exactly so with one minibatch; with more, which samples share a minibatch depends
-    on the world size)."""
+    Under torchrun `samples` are this rank's (whole groups): the number of minibatches comes from the global
+    sample count and each token-mean divides by the minibatch's global token count, so one optimizer step
+    is the same on 1 or 8 ranks (exactly so with one minibatch)."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
     # π_old: the policy that sampled the turns, recomputed by the training model. With one minibatch the
     # policy is still π_old during the update (no dropout in these models), so the update's own forward,
@@ -875,16 +783,18 @@ def ppo_update(policy, optimizer, samples: list[dict], args: Args, rng: np.rando
         minibatch = [samples[i] for i in part]
         n_tokens = max(1.0, dist.all_reduce(float(sum(sum(s["mask"]) for s in minibatch))))  # global count
         optimizer.zero_grad()
-        for batch, weight in padded_microbatches(minibatch, args.micro_batch_size):
+        for batch, weight in microbatches(minibatch, args.micro_batch_size):
             logp, mask = turn_logprobs(policy, batch, args.temperature)
             mask = mask * weight  # weight 0: a placeholder micro-batch, zero gradient
             width = logp.shape[1]
-            old = stacked(batch, "old_logp", width) if recompute else logp.detach()
+            # a weight-0 placeholder (a rank short of micro-batches) has no stored log-probs: loss 0 anyway
+            old = stacked(batch, "old_logp", width) if recompute and weight else logp.detach()
             adv = torch.tensor([s["advantage"] for s in batch], device=logp.device)  # (B,): one A per turn
             adv = adv[:, None]  # (B, 1)
             loss, n_clipped = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, args.dual_clip)
             if args.kl_coef > 0:  # token-mean of the per-token KL estimate
-                kl = (low_var_kl(logp, stacked(batch, "ref_logp", width)) * mask).sum()
+                ref = stacked(batch, "ref_logp", width) if weight else logp.detach()
+                kl = (low_var_kl(logp, ref) * mask).sum()
                 loss = loss + args.kl_coef * kl
                 totals["kl"] += kl.item()
             (loss / n_tokens * dist.grad_scale()).backward()
@@ -903,195 +813,85 @@ def ppo_update(policy, optimizer, samples: list[dict], args: Args, rng: np.rando
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-
-def make_task_env(name: str, options_json: str, seed: int) -> tuple[object, dict]:
-    """(env, the options every EnvPool copy gets). The run's seed is passed to envs that take one;
-    TextWorld takes none (its tasks are the game seeds)."""
-    given = json.loads(options_json)
-    options = {"seed": seed, **given}
-    try:
-        return make_env(name, **options), options
-    except TypeError as e:
-        if "'seed'" not in str(e) or "seed" in given:
-            raise
-        options.pop("seed")
-        return make_env(name, **options), options
+def build_envs(args: Args) -> tuple:
+    """The environment, its tasks and the pools, before the model loads. Each rank plays whole groups: its
+    share of the step's task groups (advantages stay rank-local); rank 0 plays the held-out tasks."""
+    env, options, train_tasks, eval_tasks = run.make_env(args)
+    if args.epochs > 0:
+        args.steps = max(1, args.epochs * len(train_tasks) // args.tasks_per_step)
+        run.say(f"--epochs {args.epochs}: {args.steps} steps of {args.tasks_per_step} / {len(train_tasks)} "
+                "tasks")
+    my_groups = dist.shard(list(range(args.tasks_per_step)))
+    pool = EnvPool(args.env, len(my_groups) * args.group_size, **options)
+    eval_pool = EnvPool(args.env, len(eval_tasks), **options) if dist.is_main() else None
+    return env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool
 
 
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     t_begin = time.time()
-    argv = sys.argv[1:] if argv is None else argv
-    args = apply_preset(parse_args(Args, argv), argv)
-    check_args(args)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = dist.init()
-    main_rank = dist.is_main()
-    say = print if main_rank else (lambda *a, **k: None)
-    if args.preset in ("webshop", "alfworld", "search") and args.model != RFT_CHECKPOINTS.get(args.preset):
-        checkpoint = RFT_CHECKPOINTS.get(args.preset, "huggingface.co/collections/willhx/t2po")
-        say(f"WARNING: the {args.preset} preset starts from {args.model}, NOT from the paper's RFT "
-            f"checkpoint ({checkpoint}); its numbers are not comparable to the paper's", flush=True)
-    if args.dry_run:  # memory plan per rank, no weights loaded
-        from common.plan import print_plan
-        print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=4096 + args.max_new_tokens,
-                   micro_batch=args.micro_batch_size, backend=args.backend, dtype=args.dtype,
-                   gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
-                   vllm_dtype="bfloat16")  # the engine decodes in bf16 on GPU and sleeps in training
-        return {}
-    args.out = prepare_run_dir("t2po.py", args)  # writes args.json; before the model loads
-    rng = np.random.default_rng(args.seed)  # the plain seed: the same model init and RFT data on every rank
-    torch.manual_seed(args.seed)
-
-    try:
-        env, env_options = make_task_env(args.env, args.env_options, args.seed)
-    except (ValueError, TypeError) as e:  # unknown env, bad JSON, unknown option
-        raise SystemExit(f"t2po.py: --env {args.env} --env-options {args.env_options}: {e}") from None
-    train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
-    if args.tasks_per_step > len(train_tasks):
-        raise SystemExit(f"t2po.py: --tasks-per-step {args.tasks_per_step}: {args.env} has only "
-                         f"{len(train_tasks)} training tasks")
-    if args.epochs > 0:
-        args.steps = max(1, args.epochs * len(train_tasks) // args.tasks_per_step)
-        say(f"--epochs {args.epochs}: {args.steps} steps of {args.tasks_per_step} / {len(train_tasks)} tasks")
-    try:
-        model, tokenizer = load_policy(args.model, dtype=args.dtype, lora_rank=args.lora_rank,
-                                       lora_alpha=args.lora_alpha, device=device,
-                                       gradient_checkpointing=args.gradient_checkpointing)
-        generator = make_generator(args.backend, model, tokenizer, resolve_model_path(args.model))
-    except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
-        raise SystemExit(str(e)) from None
-    model.eval()
-    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
-            and type(generator).__name__ == "HFGenerator":
-        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
-        raise SystemExit("t2po.py: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
-                         "would deadlock); use --parallel ddp or --lora-rank > 0")
-    policy = dist.wrap(model, args.parallel)  # training forward/backward; generation uses `model`
-    reference = None
-    if args.kl_coef > 0 and args.lora_rank == 0:
-        import copy
-        reference = copy.deepcopy(model).eval()  # π_ref for the KL; with LoRA: the adapter switched off
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=0.0)
-    my_groups = dist.shard(list(range(args.tasks_per_step)))  # whole groups per rank: advantages stay local
-    train_pool = EnvPool(args.env, len(my_groups) * args.group_size, **env_options)
-    eval_pool = EnvPool(args.env, len(eval_tasks), **env_options) if main_rank else None
-    summary: dict = {}
-
-    start_step = 0
-    state = load_checkpoint(args.out, model, optimizer) if args.resume else None  # every rank reads it
-    if state is not None:
-        start_step, summary = state["step"], state["extra"] or {}
-        generator.update_weights(model)
-        say(f"resumed from step {start_step}")
-
-    def report(stage: str, step: int) -> dict:
-        """Held-out evaluation on rank 0 (the others wait for its result)."""
-        result = None
-        if main_rank:
-            result = evaluate(generator, tokenizer, eval_pool, eval_tasks, args, step)
-            print(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
-                  f"score {result['eval/score']:.3f}  tokens/turn {result['eval/tokens_per_turn']:.1f}  "
-                  f"invalid {result['eval/invalid_format_rate']:.2f}", flush=True)
-        return dist.broadcast_object(result)
-
-    logger = MetricsLogger(args.out, args.steps, "t2po" if (args.tti or args.tds) else "gigpo",
-                           initial_step=start_step if state else None, report_to=args.report_to,
-                           config=vars(args), enabled=main_rank)
-    if "base" not in summary:
-        summary["base"] = report("base", 0)
-        logger.log({"step": 0, **summary["base"]})
-
-    # Cold start (RFT): successful, well-formed trajectories -> SFT.
-    if args.cold_start and "rft" not in summary:
+    args = run.parse(Args, argv, PRESETS, check_args, overridden_by={"epochs": "steps"})
+    if args.dry_run:
+        return run.dry_run(args, seq_len=4096 + args.max_new_tokens)
+    env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool = build_envs(args)
+    r = run.setup(args, desc="t2po" if (args.tti or args.tds) else "gigpo")
+    held_out = lambda stage, step: report(stage, run.on_main(  # noqa: E731
+        lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args, step)))
+    if "base" not in r.extra:  # a resumed run has done these
+        r.extra["base"] = held_out("base", 0)
+        r.logger.log({"step": 0, **r.extra["base"]})
+    if args.cold_start and "cold_start" not in r.extra:
+        cold_start(r, env, options, train_tasks, args)
+        r.extra["cold_start"] = held_out("rft", 0)
+        r.logger.log({"step": 0, **{k.replace("eval/", "eval_cold_start/"): v
+                                    for k, v in r.extra["cold_start"].items()}})
+        run.save(r, args, 0)
+    t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
+    for step in range(r.start_step, args.steps):
         t0 = time.time()
-        source = args.cold_start_source
-        if source == "auto":
-            source = "expert" if hasattr(env, "expert_action") else "sample"
-        if source == "expert":
-            if not hasattr(env, "expert_action"):
-                raise SystemExit(f"--cold-start-source expert: environment {args.env!r} has no scripted "
-                                 "expert; use --cold-start-source sample")
-            n_episodes = min(args.cold_start_episodes, len(train_tasks))
-            picks = [train_tasks[i] for i in rng.choice(len(train_tasks), n_episodes, replace=False)]
-            episodes = expert_episodes(env, picks, args)  # the same on every rank (plain seed)
-            kept = rft_keep(episodes)
-            eos = [tokenizer.eos_token_id]
-            responses = [tokenizer(t["text"], add_special_tokens=False)["input_ids"] + eos for t in kept]
-            samples = [(encode_prompt(tokenizer, t["prompt"]), r, [1] * len(r))
-                       for t, r in zip(kept, responses, strict=True)]
-        else:  # rejection sampling from the policy itself; each rank plays its share, all keep all
-            episodes, samples, per_rank = [], [], args.group_size  # episodes per rank per round
-            pool = EnvPool(args.env, per_rank, **env_options)
-            for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
-                ids = dist.shard(list(range(r * dist.world_size() * per_rank,
-                                            (r + 1) * dist.world_size() * per_rank)))
-                picks = [train_tasks[i % len(train_tasks)] for i in ids]
-                eps, _ = rollout(generator, tokenizer, pool, picks, ids, args, step=-1, train=False,
-                                 temperature=args.temperature, keys=ids)
-                for part_eps, part_samples in dist.all_gather_object(
-                        ([dict(won=e["won"], turns=[]) for e in eps],
-                         [(t["prompt_ids"], t["response_ids"], t["mask"]) for t in rft_keep(eps)])):
-                    episodes += part_eps
-                    samples += part_samples
-        say(f"[rft] {len(samples)} turns kept from {sum(ep['won'] for ep in episodes)}/{len(episodes)} "
-            f"successful episodes ({source})")
-        if samples:
-            sft_loss = sft(policy, samples, args, args.cold_start_lr, args.cold_start_epochs, rng)
-            generator.update_weights(model)
-            say(f"[rft] SFT loss {sft_loss:.3f}  ({time.time() - t0:.0f}s)")
-        summary["rft"] = report("rft", 0)
-        logger.log({"step": 0, **{k.replace("eval/", "eval_cold_start/"): v  # as loop.py and arpo.py name it
-                                  for k, v in summary["rft"].items()}})
-        save_checkpoint(args.out, 0, model, optimizer, args, extra=summary)  # every rank: rank 0 writes
-
-    # RL: T²PO rollouts, GiGPO advantages, PPO-clip.
-    t_start = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
-    for step in range(start_step, args.steps):
-        t0 = time.time()
+        # 1. rollout: T²PO's TTI (and TDS) inside, G episodes per task, whole groups per rank
         step_rng = np.random.default_rng([args.seed, step])  # keyed on the step: --resume reproduces it
         picks = step_rng.choice(len(train_tasks), args.tasks_per_step, replace=False)  # same on all ranks
         ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]  # global ids
         groups = [i // args.group_size for i in ids]
-        episodes, stats = rollout(generator, tokenizer, train_pool, [train_tasks[picks[g]] for g in groups],
+        episodes, stats = rollout(r.generator, r.tokenizer, pool, [train_tasks[picks[g]] for g in groups],
                                   groups, args, step=step, train=True, temperature=args.temperature, keys=ids)
         t_rollout = time.time() - t0
-        generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
+        r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
+        # 2. GiGPO advantages, episode and step level; 3. PPO-clip update, one sample per turn
         advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_normalize,
                                       args.step_similarity)
-        samples = []
-        for ep, adv in zip(episodes, advantages, strict=True):
-            for turn, a in zip(ep["turns"], adv, strict=True):
-                if sum(turn["mask"]) > 0:
-                    samples.append(dict(turn, advantage=a))
         update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])  # minibatch order
-        update = ppo_update(policy, optimizer, samples, args, update_rng, reference)
-        generator.update_weights(model)  # each rank's own generator samples from the new policy
-        rollout_metrics = summarise(episodes, stats, gather=True)
-        t_step = time.time() - t0
-        line = {"step": step + 1, **rollout_metrics, **update,
-                "time_s": time.time() - t_start, "step_time_s": t_step,  # as loop and arpo
-                "time_rollout_s": t_rollout,  # the rest: advantages, update, weight push
-                "time_update_s": t_step - t_rollout}
+        samples = turn_samples(episodes, advantages)
+        result = update(r.policy, r.optimizer, samples, args, update_rng, r.reference)
+        r.generator.update_weights(r.model)  # each rank's own generator samples from the new policy
+        line = {"step": step + 1, **summarise(episodes, stats, gather=True), **result,
+                "time_s": time.time() - t_rl, "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
+                "time_update_s": time.time() - t0 - t_rollout}  # the rest: advantages, update, weight push
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            line.update(report(f"step {step + 1}", step + 1))
-        logger.log(line)
+            line.update(held_out(f"step {step + 1}", step + 1))
+        r.logger.log(line)
         if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_checkpoint(args.out, step + 1, model, optimizer, args, extra=summary)
-    if "rl" not in summary or start_step < args.steps:
-        summary["rl"] = report("rl", args.steps)
-        logger.log({"step": args.steps, **summary["rl"]})
-        save_checkpoint(args.out, args.steps, model, optimizer, args, extra=summary)
-    logger.close()
-    stages = [s for s in ("base", "rft", "rl") if s in summary]
-    say("held-out success: " + " -> ".join(f"{s} {summary[s]['eval/success_rate']:.3f}" for s in stages)
-        + "  | score: " + " -> ".join(f"{s} {summary[s]['eval/score']:.3f}" for s in stages)
-        + f"  ({(time.time() - t_begin) / 60:.1f} min)")
+            run.save(r, args, step + 1)
+    if "rl" not in r.extra or r.start_step < args.steps:
+        r.extra["rl"] = held_out("rl", args.steps)
+        r.logger.log({"step": args.steps, **r.extra["rl"]})
+        run.save(r, args, args.steps)
+    r.logger.close()
+    stages = [s for s in run.STAGES if s in r.extra]
+    run.say("held-out success: " + " -> ".join(f"{s} {r.extra[s]['eval/success_rate']:.3f}" for s in stages)
+            + "  | score: " + " -> ".join(f"{s} {r.extra[s]['eval/score']:.3f}" for s in stages)
+            + f"  ({(time.time() - t_begin) / 60:.1f} min)")
     dist.cleanup()
-    return summary
+    return r.extra
+
+
+def report(stage: str, result: dict) -> dict:
+    """One line per held-out evaluation on rank 0."""
+    run.say(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
+            f"score {result['eval/score']:.3f}  tokens/turn {result['eval/tokens_per_turn']:.1f}  "
+            f"invalid {result['eval/invalid_format_rate']:.2f}")
+    return result
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def response_action(tokenizer, out: dict) -> str:
 def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[str, ...] = ()) -> dict:
     import torch
 
-    from common.cli import parse_args
+    from common import run
     from common.generation import make_generator
     from common.models import DEFAULT_MODEL, load_policy, resolve_model_path
     from envs.base import EnvPool
@@ -79,21 +79,15 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
         torch.set_num_threads(threads)
     argv = ["--tds-max-try", "1", "--group-size", str(group_size), "--tasks-per-step", str(n_tasks),
             *t2po_flags]  # t2po_flags: e.g. other TTI / TDS constants than the default run's
-    args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)  # the default run's setting
-    env, options = t2po.make_task_env(args.env, args.env_options, args.seed)
-    train_tasks = env.tasks("train")
+    args = run.parse(t2po.Args, argv, t2po.PRESETS, t2po.check_args)  # the default run's setting
+    env, options, train_tasks, _ = run.make_env(args)
     model, tokenizer = load_policy(DEFAULT_MODEL)
     generator = make_generator("hf", model, tokenizer, resolve_model_path(DEFAULT_MODEL))
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
-    picks = [train_tasks[i] for i in rng.choice(len(train_tasks), args.cold_start_episodes, replace=False)]
-    kept = t2po.rft_keep(t2po.expert_episodes(env, picks, args))  # as main() does for the default run
-    eos = [tokenizer.eos_token_id]
-    samples = [(t2po.encode_prompt(tokenizer, t["prompt"]), r, [1] * len(r)) for t, r in
-               zip(kept, [tokenizer(t["text"], add_special_tokens=False)["input_ids"] + eos for t in kept],
-                   strict=True)]
-    t2po.sft(model, samples, args, args.cold_start_lr, args.cold_start_epochs, rng)
-    generator.update_weights(model)
+    r = run.Run(model=model, policy=model, tokenizer=tokenizer, generator=generator, optimizer=None,
+                reference=None, logger=None, start_step=0, extra={}, device="cpu")
+    t2po.cold_start(r, env, options, train_tasks, args, rng)  # RFT as main() runs it for the default run
 
     records = []
     decide = t2po.tds_redo

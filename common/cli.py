@@ -1,9 +1,13 @@
 """Dataclass -> command line: each field becomes --kebab-case, help from field(metadata={"help": ...}), the
 --help section from metadata "group"; the dataclass docstring's first line is the description.
-`apply_preset` fills a named preset into the fields the command line left alone."""
+A field's bounds are declared with it (`opt(..., ge=1)`) and checked in one place (`check_bounds`), with one
+message format. A subclass may re-declare a field only to change its default (`steps: int = 5`): its help,
+group and bounds are the base class's. `apply_preset` fills a named preset into the fields the command line
+left alone."""
 
 import argparse
 import dataclasses
+import math
 import os
 import shlex
 import types
@@ -13,15 +17,56 @@ from typing import Literal, TypeVar
 T = TypeVar("T")
 
 
-def opt(group: str, default, help: str):
-    """A dataclass field of a script's Args: its default, its --help line, and the group it is listed
-    under (GROUPS)."""
-    return dataclasses.field(default=default, metadata={"help": help, "group": group})
+def opt(group: str, default, help: str, *, ge=None, gt=None, le=None, lt=None, why: str = ""):
+    """A dataclass field of a script's Args: its default, its --help line, the group it is listed under
+    (GROUPS), and the values it accepts (>= ge, > gt, <= le, < lt; `why` is added to the refusal)."""
+    bounds = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, "bounds": bounds,
+                                                        "why": why})
 
 
-def _add_field(parser, field: dataclasses.Field, hint) -> None:
+def metadata(cls: type, name: str) -> dict:
+    """A field's help, group and bounds: from the most derived class that declares them with opt()."""
+    for klass in cls.__mro__:
+        field = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if field is not None and "help" in field.metadata:
+            return dict(field.metadata)
+    return {}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def bad_flag(script: str, name: str, value, why: str) -> SystemExit:
+    """The one format of a refused flag: `loop.py: --group-size 1: must be >= 2 (why)`. Strings are shown as
+    repr, so a control character in a value cannot rewrite the terminal line."""
+    shown = repr(value) if isinstance(value, str) else value
+    return SystemExit(f"{script}: {flag(name)} {shown}: {why}")
+
+
+_TESTS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+          "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def check_bounds(args, script: str) -> None:
+    """Every float flag finite, every number within its field's bounds; else one line, before anything loads."""
+    for field in dataclasses.fields(args):
+        value, meta = getattr(args, field.name), metadata(type(args), field.name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad_flag(script, field.name, value, "must be a finite number")
+        for key, bound in meta.get("bounds", {}).items():
+            sign, ok = _TESTS[key]
+            if not ok(value, bound):
+                why = f" ({meta['why']})" if meta.get("why") else ""
+                raise bad_flag(script, field.name, value, f"must be {sign} {bound}{why}")
+
+
+def _add_field(parser, field: dataclasses.Field, hint, meta: dict) -> None:
     flag = "--" + field.name.replace("_", "-")
-    kwargs: dict = {"help": field.metadata.get("help", ""), "dest": field.name}
+    kwargs: dict = {"help": meta.get("help", ""), "dest": field.name}
     if field.default is not dataclasses.MISSING:
         kwargs["default"] = field.default
     elif field.default_factory is not dataclasses.MISSING:
@@ -69,12 +114,13 @@ def _parser(cls: type) -> argparse.ArgumentParser:
                                      usage="%(prog)s [--flag value ...]", formatter_class=_Formatter)
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
+    metas = {f.name: metadata(cls, f.name) for f in fields}
     for name in GROUPS:
-        members = [f for f in fields if f.metadata.get("group", "other") == name]
+        members = [f for f in fields if metas[f.name].get("group", "other") == name]
         if members:
             group = parser.add_argument_group(name)
             for field in members:
-                _add_field(group, field, hints[field.name])
+                _add_field(group, field, hints[field.name], metas[field.name])
     return parser
 
 

@@ -87,6 +87,14 @@ def all_reduce(value, op: str = "sum"):
     return type(value)(out.item()) if isinstance(value, (int, float)) else out.item()
 
 
+def same_count(micro_batches: list, filler) -> list[tuple[object, float]]:
+    """(micro-batch, weight) pairs, as many on every rank: each backward under DDP is a collective (the
+    gradient all-reduce) and each forward under FSDP2 too, so a rank with fewer micro-batches runs zero-weight
+    ones on `filler` (its loss is multiplied by 0). One process: the micro-batches, weight 1."""
+    n = all_reduce(len(micro_batches), "max")
+    return [(m, 1.0) for m in micro_batches] + [(filler, 0.0)] * (n - len(micro_batches))
+
+
 def all_gather_object(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...]; [obj] in a single process."""
     if not is_distributed():

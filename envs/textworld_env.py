@@ -210,6 +210,30 @@ def normalize_command(action: str) -> str:
     return LABEL.sub("", " ".join(action.split()).lower()).strip(" .'\"`")
 
 
+def task_steps(instruction: str) -> list[str]:
+    """The sentences of a coin-collector task that name a move or the coin, in order: one per step of its
+    walkthrough ("First off, head west.", "Then, travel north.", "That done, take the coin …")."""
+    sentences = re.split(r"(?<=[.!?])\s+", instruction)
+    return [s for s in sentences if re.search(r"\b(north|south|east|west|coin)\b", s)]
+
+
+def expert_thought(action: str, instruction: str = "", k: int = 0, long: bool = False) -> str:
+    """A reason for the walkthrough's action at step k (the walkthrough has none), for cold-start data written
+    as `<think>…</think><action>…</action>` (t2po.py). Short: one sentence that fits the CPU demo's response
+    budget. long: the decision first, then the task's sentence for step k and the steps done, ~40 tokens
+    whose uncertainty settles once the action is decided (t2po's --expert-thoughts long: the overthinking
+    TTI is meant to cut); the short one when the task has no sentence for step k."""
+    steps = task_steps(instruction)
+    if long and k < len(steps):
+        return (f'I {action}. Step {k + 1} of the task says: "{steps[k]}" '
+                f"I have done {k} of its {len(steps)} steps.")
+    if action.startswith("go "):
+        return "The task says which way to go."
+    if action.startswith("take "):
+        return "The coin is here, so take it."
+    return "Open the result that best matches the task."
+
+
 def parse_command(action: object, admissible: list[str]) -> tuple[str | None, str]:
     """Match an agent's action to an admissible command: (command, "") or (None, what went wrong)."""
     if isinstance(action, bytes):
@@ -355,6 +379,10 @@ class TextWorldEnv:
     def expert_action(self) -> str:
         """The walkthrough's next command ('' when there is none), as `python -m envs.play` asks."""
         return next(iter(self.expert_actions()), "")
+
+    def expert_thought(self, action: str, long: bool = False) -> str:
+        """A reason for the expert's `action` in this state (t2po.py's cold-start data)."""
+        return expert_thought(action, self.task_instruction, self.steps, long)
 
     def close(self) -> None:
         if self.game is not None:

@@ -376,6 +376,17 @@ class WebShopLiteEnv:
     def expert_action(self) -> str:
         return expert_action(self)
 
+    def expert_thought(self, action: str, long: bool = False) -> str:
+        """A one-line reason for the expert's `action` (the expert has none), for cold-start data written as
+        `<think>…</think><action>…</action>` (t2po.py); short, to fit the CPU response budget."""
+        if action.startswith("search["):
+            return "Search for the product the task describes."
+        if action == "click[buy now]":
+            return "This item fits the task, so buy it."
+        if action.startswith("click[") and action[6:-1] in ("next >", "< prev", "back to search"):
+            return "The target is not on this page; navigate."
+        return "Open the result that best matches the task."
+
 
 def expert_action(env: WebShopLiteEnv) -> str:
     """Scripted expert for cold-start data: search the goal's attributes and type, page through the

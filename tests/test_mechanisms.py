@@ -43,22 +43,15 @@ def test_t2po_flags_reach_the_measured_setting_on_top_of_the_default_run(monkeyp
     sys.path.insert(0, mechanisms.HERE)  # where mechanisms.py finds t2po_tds
     import t2po_tds
 
-    import t2po
+    from common import run
 
     seen = {}
 
-    def stop(env, options, seed):  # the first thing real_turns does with the parsed settings
-        seen["args"] = stop.args
+    def stop(args, **options):  # the first thing real_turns does with the parsed settings
+        seen["args"] = args
         raise RuntimeError("stop here")
 
-    real_apply = t2po.apply_preset
-
-    def apply_preset(args, argv):
-        stop.args = real_apply(args, argv)
-        return stop.args
-
-    monkeypatch.setattr(t2po, "apply_preset", apply_preset)
-    monkeypatch.setattr(t2po, "make_task_env", stop)
+    monkeypatch.setattr(run, "make_env", stop)
     with pytest.raises(RuntimeError, match="stop here"):
         t2po_tds.real_turns(2, 4, 0, ("--tti-min-think", "8", "--tds-eta", "0.03"))
     args = seen["args"]

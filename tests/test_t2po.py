@@ -11,6 +11,7 @@ from learning_util import SEEDS, rise, train_curve
 from torchrun_util import DIST_SCRIPTS, ROOT, load_script, torchrun_command, torchrun_env
 
 import t2po
+from common import run
 
 
 def entropy(p: list[float]) -> float:
@@ -226,7 +227,7 @@ def test_ppo_update_moves_the_policy_toward_positive_advantages():
     before = (logp(good), logp(bad))
     args = t2po.Args(lr=1e-2, minibatch_size=8, micro_batch_size=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    stats = t2po.ppo_update(model, optimizer, [dict(good), dict(bad)], args, np.random.default_rng(0))
+    stats = t2po.update(model, optimizer, [dict(good), dict(bad)], args, np.random.default_rng(0))
     assert stats["num_tokens"] == 6 and stats["clip_fraction"] == 0.0  # ratio 1 at the single step
     assert stats["loss"] == pytest.approx(0.0, abs=1e-6)  # -(3·1 + 3·(−1)) / 6
     assert logp(good) > before[0] and logp(bad) < before[1]
@@ -274,24 +275,22 @@ def test_rft_keeps_only_successful_well_formed_trajectories():
 # ---- presets ------------------------------------------------------------------------------------------
 
 def test_env_presets_apply_the_paper_settings_but_flags_win():
-    from common.cli import parse_args
     argv = ["--env", "webshop", "--group-size", "2", "--no-tti"]
-    args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)
+    args = run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
     assert (args.tasks_per_step, args.max_turns, args.max_new_tokens, args.lr) == (16, 15, 300, 1e-6)
     assert (args.temperature, args.tds_max_try, args.reward) == (1.0, 2, "success")  # not the CPU demo's
     assert args.gradient_checkpointing  # 4B at 8 x 4k tokens does not train without it (docs/scaling.md)
     assert args.group_size == 2 and args.tti is False
     argv = ["--env", "alfworld"]
-    args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)
+    args = run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
     assert (args.group_size, args.max_turns, args.max_new_tokens) == (8, 50, 500)
 
 
 def test_textworld_preset_is_the_default_run_and_flags_win():
-    from common.cli import parse_args
-    args = t2po.apply_preset(parse_args(t2po.Args, []), [])  # `python t2po.py`, the `make demo` run
+    args = run.parse(t2po.Args, [], t2po.PRESETS)  # `python t2po.py`, the `make demo` run
     assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (4, 2e-5, 1, True)
     argv = ["--env", "textworld", "--steps", "1"]
-    args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)
+    args = run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
     assert json.loads(args.env_options) == {"level": 3, "train_games": 16, "eval_games": 8,
                                             "holdout": "walkthrough"}
     assert (args.tasks_per_step, args.group_size, args.max_new_tokens, args.max_turns,
@@ -299,19 +298,28 @@ def test_textworld_preset_is_the_default_run_and_flags_win():
     assert args.steps == 1
 
 
+def env_of(env: str, env_options: str, seed: int):
+    args = t2po.Args(env=env, env_options=env_options, seed=seed, tasks_per_step=1)
+    env, options, _, _ = run.make_env(args)
+    return env, options
+
+
 def test_env_without_a_seed_option_is_built_without_it():
-    env, options = t2po.make_task_env("textworld", '{"level": 2, "train_games": 3}', seed=7)
+    env, options = env_of("textworld", '{"level": 2, "train_games": 3}', seed=7)
     assert options == {"level": 2, "train_games": 3} and env.tasks("train") == [0, 1, 2]
-    _, options = t2po.make_task_env("toy", "{}", seed=7)
+    _, options = env_of("toy", "{}", seed=7)
     assert options == {"seed": 7}
-    with pytest.raises(TypeError):  # a wrong option still fails
-        t2po.make_task_env("textworld", '{"levle": 2}', seed=7)
+    with pytest.raises(SystemExit, match="levle"):  # a wrong option still fails, in one line
+        env_of("textworld", '{"levle": 2}', seed=7)
 
 
-def test_expert_thought_for_textworld_commands():
-    assert t2po.expert_thought("go west") == "The task says which way to go."
-    assert t2po.expert_thought("take coin") == "The coin is here, so take it."
-    assert t2po.expert_thought("click[buy now]") == "This item fits the task, so buy it."
+def test_expert_thought_for_textworld_and_webshop_commands():
+    from envs import textworld_env, webshop_lite
+    assert textworld_env.expert_thought("go west") == "The task says which way to go."
+    assert textworld_env.expert_thought("take coin") == "The coin is here, so take it."
+    shop = webshop_lite.WebShopLiteEnv.expert_thought
+    assert shop(None, "click[buy now]") == "This item fits the task, so buy it."
+    assert shop(None, "search[red shoes]") == "Search for the product the task describes."
 
 
 TASK = ("You are now playing a life changing game of TextWorld! First off, if it's not too much trouble, "
@@ -320,22 +328,24 @@ TASK = ("You are now playing a life changing game of TextWorld! First off, if it
 
 
 def test_task_steps_are_the_sentences_that_name_a_move_or_the_coin():
-    assert t2po.task_steps(TASK) == ["First off, if it's not too much trouble, I need you to head west.",
+    from envs.textworld_env import task_steps
+    assert task_steps(TASK) == ["First off, if it's not too much trouble, I need you to head west.",
                                      "With that over with, make an attempt to travel north.",
                                      "That done, recover the coin from the floor of the chamber."]
-    assert t2po.task_steps("Here is how to play! First step, go south. Then, take the coin. Got that?") == [
+    assert task_steps("Here is how to play! First step, go south. Then, take the coin. Got that?") == [
         "First step, go south.", "Then, take the coin."]
 
 
 def test_long_expert_thought_decides_first_then_quotes_the_step():
-    assert t2po.long_expert_thought("go north", TASK, 1) == (
+    from envs.textworld_env import expert_thought
+    assert expert_thought("go north", TASK, 1, long=True) == (
         'I go north. Step 2 of the task says: "With that over with, make an attempt to travel north." '
         "I have done 1 of its 3 steps.")
-    assert t2po.long_expert_thought("look", TASK, 3) == t2po.expert_thought("look")  # no 4th step
+    assert expert_thought("go north", TASK, 3, long=True) == expert_thought("go north")  # no 4th step
 
 
 def test_expert_thoughts_flag_reaches_the_rft_turns():
-    env, _ = t2po.make_task_env("textworld", '{"level": 3, "train_games": 1}', seed=0)
+    env, _ = env_of("textworld", '{"level": 3, "train_games": 1}', seed=0)
     args = dataclasses.replace(t2po.Args(), max_turns=4)
     short = t2po.expert_episodes(env, [0], args)[0]
     long = t2po.expert_episodes(env, [0], dataclasses.replace(args, expert_thoughts="long"))[0]
@@ -521,8 +531,8 @@ def test_torchrun_script_end_to_end_then_resume_on_one_rank(tmp_path):
 
 
 def test_long_expert_thoughts_are_refused_outside_textworld(monkeypatch, tmp_path):
-    monkeypatch.setattr(t2po, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
-    with pytest.raises(SystemExit, match="^t2po.py: --expert-thoughts long: long thoughts quote TextWorld"):
+    monkeypatch.setattr(run.models, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit, match="^t2po.py: --expert-thoughts 'long': long thoughts quote TextWorld"):
         t2po.main(["--env", "webshop-lite", "--expert-thoughts", "long", "--out", str(tmp_path / "run")])
 
 
@@ -533,14 +543,15 @@ def test_long_expert_thoughts_are_refused_outside_textworld(monkeypatch, tmp_pat
     ["--max-new-tokens", "0"], ["--tasks-per-step", "0"], ["--steps", "0"], ["--steps", "-1"],
     ["--eval-tasks", "0"], ["--max-turns", "0"], ["--minibatch-size", "0"], ["--micro-batch-size", "0"],
     ["--tti-chunk", "0"], ["--top-j", "0"], ["--tds-max-try", "-1"], ["--gamma", "1.5"], ["--alpha", "-0.1"],
-    ["--eval-top-p", "0"], ["--clip-eps", "0"], ["--dual-clip", "0.5"], ["--lr", "0"],
-    ["--save-every", "0"],
+    ["--eval-top-p", "0"], ["--clip-eps", "0"], ["--dual-clip", "0.5"], ["--lr", "-1"],
+    ["--save-every", "0"], ["--group-size", "1"], ["--lr", "nan"], ["--lr", "inf"], ["--temperature", "inf"],
+    ["--temperature", "nan"], ["--seed", "-1"],
     ["--step-similarity", "0"], ["--epochs", "-1"],
 ])
 def test_bad_values_end_in_one_line_naming_the_flag_before_the_model_loads(flags, monkeypatch, tmp_path):
     def no_model(*a, **k):
         raise AssertionError("the model must not load")
-    monkeypatch.setattr(t2po, "load_policy", no_model)
+    monkeypatch.setattr(run.models, "load_policy", no_model)
     with pytest.raises(SystemExit) as e:
         t2po.main(["--env", "toy", "--model", "tiny-random", "--out", str(tmp_path / "run"), *flags])
     message = str(e.value.code)
@@ -550,9 +561,9 @@ def test_bad_values_end_in_one_line_naming_the_flag_before_the_model_loads(flags
 
 
 def test_more_tasks_per_step_than_the_env_has_is_refused_before_the_model_loads(monkeypatch, tmp_path):
-    monkeypatch.setattr(t2po, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(run.models, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
     argv = ["--env", "textworld", "--env-options", '{"train_games": 3}', "--tasks-per-step", "4"]
-    with pytest.raises(SystemExit, match="--tasks-per-step 4: textworld has only 3 training tasks"):
+    with pytest.raises(SystemExit, match="--tasks-per-step 4: --env 'textworld' has only 3 training tasks"):
         t2po.main(argv + ["--out", str(tmp_path / "run")])
 
 
@@ -565,8 +576,7 @@ def test_more_tasks_per_step_than_the_env_has_is_refused_before_the_model_loads(
     (["--env", "alfworld", "--kl-coef", "0"], "kl_coef", 0.0),
 ])
 def test_preset_keeps_every_spelling_of_an_explicit_flag(argv, field, value):
-    from common.cli import parse_args
-    args = t2po.apply_preset(parse_args(t2po.Args, argv), argv)
+    args = run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
     assert getattr(args, field) == value
     assert args.max_turns in (15, 50)  # the rest of the preset still applies
 
@@ -577,11 +587,10 @@ def test_an_abbreviated_flag_is_refused_not_slipped_past_the_preset():
 
 
 def test_presets_follow_the_official_scripts():
-    from common.cli import parse_args
 
     def preset(env, *flags):
         argv = ["--env", env, *flags]
-        return t2po.apply_preset(parse_args(t2po.Args, argv), argv)
+        return run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
 
     shop, alf, search = preset("webshop"), preset("alfworld"), preset("search")
     # train_webshop.sh: mean_norm, no KL, mini-batch 128, total_epochs 200 (16-task set: 200 steps)
@@ -593,7 +602,7 @@ def test_presets_follow_the_official_scripts():
     assert (search.std_normalize, search.step_similarity, search.minibatch_size) == (True, 0.9, 256)
     assert search.epochs == 1
     assert preset("search", "--steps", "7").epochs == 0  # an explicit --steps wins over the epoch count
-    assert "NOT from the paper's RFT checkpoints" in t2po.Args.__dataclass_fields__["env"].metadata["help"]
+    assert "NOT from the paper's RFT checkpoints" in t2po.Args.__dataclass_fields__["preset"].metadata["help"]
 
 
 def test_paper_preset_says_loudly_it_starts_from_the_base_model(capsys):
@@ -743,9 +752,8 @@ def test_dual_clip_caps_the_loss_of_negative_advantage_tokens():
 
 
 def test_rft_sft_loss_leaves_out_forced_tokens():
-    """sft() returns the NLL of its (last) batch before the step: the mean over mask-1 tokens only."""
-    import numpy as np
-
+    """RFT's SFT loss (run.sft with t2po's log-likelihood), measured before the step: the mean NLL over
+    mask-1 tokens only."""
     from common.models import load_policy
     model, _ = load_policy("tiny-random")
     sample = dict(prompt_ids=[11, 12], response_ids=[21, 22, 23, 24], mask=[1, 0, 0, 1])  # 22, 23 forced
@@ -753,9 +761,8 @@ def test_rft_sft_loss_leaves_out_forced_tokens():
         logp, mask = t2po.turn_logprobs(model, [sample], 1.0)
     per_token = logp[0, 1:5]  # log p of 21, 22, 23, 24
     expected = -(per_token[0] + per_token[3]).item() / 2
-    args = t2po.Args(micro_batch_size=1)
-    loss = t2po.sft(model, [(sample["prompt_ids"], sample["response_ids"], sample["mask"])], args, 1e-9, 1,
-                    np.random.default_rng(0))
+    loss = run.sft(model, 1, lambda rows: t2po.sft_log_likelihood(model, [sample]), lr=1e-9, weight_decay=0.0,
+                   max_grad_norm=1.0, epochs=1, micro_batch_size=1, permute=lambda n: list(range(n)))
     assert loss == pytest.approx(expected, abs=1e-5)
     assert loss != pytest.approx(-per_token.mean().item(), abs=1e-3)  # all four tokens: the old loss
 
@@ -763,7 +770,7 @@ def test_rft_sft_loss_leaves_out_forced_tokens():
 def test_epochs_set_the_steps_from_the_training_tasks(monkeypatch, tmp_path, capsys):
     def stop(*a, **k):
         raise SystemExit("stop before the model")
-    monkeypatch.setattr(t2po, "load_policy", stop)
+    monkeypatch.setattr(run.models, "load_policy", stop)
     with pytest.raises(SystemExit, match="stop before the model"):
         t2po.main(["--env", "toy", "--epochs", "2", "--tasks-per-step", "8", "--out", str(tmp_path / "run")])
     assert "--epochs 2: 250 steps of 8 / 1000 tasks" in capsys.readouterr().out  # 2 × 1000 / 8
@@ -799,6 +806,6 @@ def test_ppo_update_reports_the_kl_to_its_reference():
     expected = sum(min(math.exp(v) - v - 1, 10.0) for v in x) / len(x)  # 4 policy tokens
     args = t2po.Args(lr=1e-2, minibatch_size=8, micro_batch_size=1, kl_coef=0.5, temperature=1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    stats = t2po.ppo_update(model, optimizer, samples, args, np.random.default_rng(0), reference=reference)
+    stats = t2po.update(model, optimizer, samples, args, np.random.default_rng(0), reference=reference)
     assert len(x) == 4 and expected > 0.01
     assert stats["kl"] == pytest.approx(expected, rel=1e-5)

@@ -1,4 +1,4 @@
-"""t2po.ppo_update on a fixed list of turn samples, under `torchrun --nproc-per-node 2` or as one process.
+"""t2po.update on a fixed list of turn samples, under `torchrun --nproc-per-node 2` or as one process.
 
 Each rank takes its whole groups (`dist.shard`) and trains the DDP-wrapped tiny model for 2 iterations on
 them. After each iteration the ranks' parameters are compared (elementwise max == min over ranks) and rank
@@ -47,7 +47,7 @@ def main(out: str) -> None:
                                   weight_decay=0.0)
     mine = [s for group in dist.shard(fixed_groups()) for s in group]
     for it in range(2):
-        stats = t2po.ppo_update(policy, optimizer, [dict(s) for s in mine], args, np.random.default_rng(it))
+        stats = t2po.update(policy, optimizer, [dict(s) for s in mine], args, np.random.default_rng(it))
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         agree = ranks_agree([flat])
         if dist.is_main():

@@ -1,0 +1,259 @@
+"""What every script does the same way and no paper describes: the flags the three share (`RunArgs`), parsing
+with preset and bounds (`parse`), the environment (`make_env`), the run's set-up (`setup`: torchrun, run folder,
+seeds, model, generator, DDP/FSDP2, optimizer, resume, logger), the memory plan (`dry_run`), evaluation on
+rank 0 (`on_main`), the cold start's supervised fine-tuning (`sft`) and checkpoints (`save`).
+
+A script's `main()` reads: parse -> envs -> setup -> base eval -> cold start -> for step: rollout; advantages;
+update; log -> final eval. Nothing here touches the algorithm: rollouts, signals, advantages and losses stay
+in the scripts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+
+from common import checkpoint, cli, dist, models
+from common.cli import opt
+from common.generation import HFGenerator, make_generator
+from common.metrics import MetricsLogger
+from envs.base import make_env as registry_env
+
+
+@dataclass
+class RunArgs:
+    """The flags every script shares, declared once; a script's `Args(RunArgs)` adds its algorithm's own and
+    re-declares a shared one only to give it the script's default (`steps: int = 5`)."""
+
+    preset: str = opt("run", "auto", "settings filled into every flag not given (the script's PRESETS); auto: "
+                      "the one named after --env; none: the defaults")
+    env: str = opt("environment", "textworld", "environment name from envs/ (registry)")
+    env_options: str = opt("environment", "{}", "JSON keyword arguments for the environment, e.g. "
+                           "'{\"level\": 2}'")
+    max_turns: int = opt("environment", 3, "agent turns per episode", ge=1)
+    model: str = opt("model", models.DEFAULT_MODEL, "HF id, local folder, random:<shape> or tiny-random; "
+                     "default: the packaged SmolLM2-135M-Instruct")
+    lora_rank: int = opt("model", 0, "LoRA rank; 0 = full fine-tune", ge=0)
+    lora_alpha: int = opt("model", 32, "LoRA alpha", gt=0)
+    dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
+    gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (long sequences; "
+                                       "docs/scaling.md)")
+    backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine: auto = vLLM when "
+                                                 "installed and on a GPU, else hf")
+    group_size: int = opt("rollout", 4, "rollouts per task (the group of the group-relative advantage)", ge=2,
+                          why="a group-relative advantage needs a second rollout")
+    tasks_per_step: int = opt("rollout", 2, "tasks per iteration", ge=1)
+    temperature: float = opt("rollout", 1.0, "sampling temperature of training rollouts (the loss's "
+                             "log-probs are computed at it too)", gt=0)
+    max_new_tokens: int = opt("rollout", 16, "token limit per agent turn (ARPO: per response)", ge=1)
+    kl_coef: float = opt("algorithm", 0.0, "KL penalty to the initial policy (0 = off; with LoRA the "
+                         "reference is the base model, adapter off)", ge=0)
+    cold_start: bool = opt("cold start", True, "supervised fine-tuning on successful expert episodes before RL "
+                           "(ours on the CPU: a 135M model never writes a valid action zero-shot)")
+    cold_start_episodes: int = opt("cold start", 8, "episodes collected for the cold start; 0 = off", ge=0)
+    cold_start_epochs: int = opt("cold start", 1, "SFT passes over the cold start's episodes", ge=0)
+    cold_start_lr: float = opt("cold start", 1e-4, "SFT learning rate (AdamW)", ge=0)
+    lr: float = opt("optimisation", 1e-5, "AdamW learning rate of RL (0: a no-update control)", ge=0)
+    weight_decay: float = opt("optimisation", 0.01, "AdamW weight decay (RL and SFT)", ge=0)
+    max_grad_norm: float = opt("optimisation", 1.0, "gradient-norm clip", gt=0)
+    micro_batch_size: int = opt("optimisation", 4, "sequences per forward/backward pass (memory only)", ge=1)
+    steps: int = opt("run", 4, "RL iterations", ge=1)
+    eval_every: int = opt("run", 0, "also evaluate held-out tasks every N steps (0: before and after only)",
+                          ge=0)
+    eval_tasks: int = opt("run", 8, "held-out tasks per evaluation", ge=1)
+    save_every: int = opt("run", 4, "checkpoint every N steps (and at the end)", ge=1)
+    out: str = opt("run", "", "run folder: args.json, metrics.jsonl, checkpoints/ (default: a new "
+                   "runs/<script>-<time>; an existing one needs --resume)")
+    resume: bool = opt("run", False, "continue from the last checkpoint in --out")
+    report_to: Literal["none", "tensorboard", "wandb"] = opt(
+        "run", "none", "also log to TensorBoard (<out>/tensorboard) or Weights & Biases (pip install wandb)")
+    seed: int = opt("run", 0, "everything is reproducible from it", ge=0, lt=2**31,
+                    why="the range every RNG of the run accepts")
+    threads: int = opt("run", 0, "torch CPU threads (0: torch's default; 1 is faster on a CPU shared with "
+                       "other jobs)", ge=0)
+    parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
+        "torchrun", "auto", "auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params "
+        "(FSDP2 needs --backend vllm)")
+    dry_run: bool = opt("torchrun", False, "print the per-rank memory plan for --model and the world size, "
+                        "then exit (no weights loaded)")
+
+
+def script_name(args) -> str:
+    """`loop.py`, `arpo.py`, `t2po.py`: the file that declared the Args (also when run as __main__)."""
+    return os.path.basename(getattr(sys.modules[type(args).__module__], "__file__", "") or "run")
+
+
+def say(*text, **kwargs) -> None:
+    """print, on rank 0 only, flushed."""
+    if dist.is_main():
+        print(*text, **kwargs, flush=True)
+
+
+def parse(cls: type, argv: list[str] | None, presets: dict, check: Callable | None = None, *,
+          overridden_by: dict | None = None):
+    """Command line -> Args: the preset filled into every flag not given, then the bounds declared with each
+    flag and the script's own `check` (rules between flags); a bad value ends in one line before anything
+    loads. Sets --threads."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = cli.apply_preset(cli.parse_args(cls, argv), argv, presets, overridden_by=overridden_by)
+    cli.check_bounds(args, script_name(args))
+    if check is not None:
+        check(args)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def dry_run(args, seq_len: int, **plan) -> dict:
+    """--dry-run: the per-rank memory plan of --model at this world size, from its shape alone (no weights)."""
+    from common.plan import print_plan
+    if dist.is_main():
+        try:  # the engine decodes in bf16 on a GPU and sleeps while the policy trains
+            print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq_len,
+                       micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
+                       dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
+                       vllm_dtype="bfloat16", **plan)
+        except ValueError as e:  # a model whose shape is not known offline
+            raise SystemExit(f"{script_name(args)}: {e}") from None
+    return {}
+
+
+def make_env(args, **options):
+    """(env, the options every copy of it gets, train tasks, held-out tasks). --env-options wins over the
+    script's `options`; the run's seed goes to an env that takes one. A missing package or data set, an
+    unknown name or option, or more tasks per step than the env has: one line, before the model loads."""
+    script = script_name(args)
+    try:
+        given = json.loads(args.env_options)
+        if not isinstance(given, dict):
+            raise ValueError("--env-options must be a JSON object")
+        options = {"seed": args.seed, **options, **given}
+        try:
+            env = registry_env(args.env, **options)
+        except TypeError as e:
+            if "'seed'" not in str(e) or "seed" in given:
+                raise
+            options.pop("seed")  # TextWorld, ALFWorld: the tasks are the games
+            env = registry_env(args.env, **options)
+        train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
+    except (ValueError, TypeError, ImportError, RuntimeError, OSError) as e:
+        extra = f" --env-options {args.env_options!r}" if args.env_options.strip() != "{}" else ""
+        raise SystemExit(f"{script}: --env {args.env!r}{extra}: {e}") from None
+    if args.tasks_per_step > len(train_tasks):
+        raise cli.bad_flag(script, "tasks_per_step", args.tasks_per_step,
+                           f"--env {args.env!r} has only {len(train_tasks)} training tasks")
+    return env, options, train_tasks, eval_tasks
+
+
+@dataclass
+class Run:
+    """What `setup` builds: `model` generates and is saved, `policy` (the same model under DDP/FSDP2) trains."""
+
+    model: torch.nn.Module
+    policy: torch.nn.Module
+    tokenizer: object
+    generator: object
+    optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None  # a frozen copy for the KL term (full fine-tune); LoRA: adapter off
+    logger: MetricsLogger
+    start_step: int  # the step a resumed run continues after (0: a new run)
+    extra: dict  # what a checkpoint keeps besides weights: held-out results of the stages done
+    device: str
+
+
+def setup(args, desc: str) -> Run:
+    """torchrun, the run folder (args.json), the seeds, policy + tokenizer, generator, DDP/FSDP2, AdamW, --resume
+    and the metrics logger. Every rank calls it; only rank 0 writes."""
+    script = script_name(args)
+    device = dist.init()
+    args.out = checkpoint.prepare_run_dir(script, args)  # writes args.json; before the model loads
+    random.seed(args.seed)  # the plain seed: the same initial model and cold start on every rank
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    try:
+        model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
+                                              lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                                              gradient_checkpointing=args.gradient_checkpointing)
+        generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model))
+    except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
+        raise SystemExit(f"{script}: {e}") from None
+    model.eval()  # no dropout: recomputed log-probs equal the sampler's policy
+    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
+            and isinstance(generator, HFGenerator):
+        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
+        raise SystemExit(f"{script}: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
+                         "would deadlock); use --parallel ddp or --lora-rank > 0")
+    reference = None
+    if args.kl_coef > 0 and args.lora_rank == 0:  # the initial policy, frozen, before any update
+        reference = copy.deepcopy(model).requires_grad_(False).eval()
+    policy = dist.wrap(model, args.parallel)  # training forward/backward; generation reads `model`
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
+    state = checkpoint.load_checkpoint(args.out, model, optimizer) if args.resume else None  # every rank
+    if state is not None:
+        generator.update_weights(model)
+        say(f"{script}: resumed from step {state['step']}")
+    logger = MetricsLogger(args.out, args.steps, desc, initial_step=state["step"] if state else None,
+                           report_to=args.report_to, config=asdict(args), enabled=dist.is_main())
+    return Run(model=model, policy=policy, tokenizer=tokenizer, generator=generator, optimizer=optimizer,
+               reference=reference, logger=logger, start_step=state["step"] if state else 0,
+               extra=stage_results((state or {}).get("extra") or {}), device=device)
+
+
+# the held-out results a checkpoint keeps, by stage; the names checkpoints written before 2026-12 used
+STAGES = ("base", "cold_start", "rl")
+_OLD_STAGE_NAMES = {"eval_before": "base", "eval_cold_start": "cold_start", "rft": "cold_start"}
+
+
+def stage_results(extra: dict) -> dict:
+    """A checkpoint's `extra` with the stage names of STAGES (older checkpoints: loop's and t2po's names)."""
+    return {_OLD_STAGE_NAMES.get(k, k): v for k, v in extra.items()}
+
+
+def on_main(evaluate: Callable[[], dict]) -> dict:
+    """Run `evaluate` on rank 0 (held-out episodes); the other ranks wait for its result."""
+    return dist.broadcast_object(evaluate() if dist.is_main() else None)
+
+
+def save(run: Run, args, step: int) -> None:
+    """An atomic checkpoint of weights, optimizer, RNG states and `run.extra`; every rank calls it."""
+    checkpoint.save_checkpoint(args.out, step, run.model, run.optimizer, args, extra=run.extra)
+
+
+def sft(policy, n_samples: int, log_likelihood: Callable[[list[int]], tuple[torch.Tensor, float]], *,
+        lr: float, weight_decay: float, max_grad_norm: float, epochs: int, micro_batch_size: int,
+        permute: Callable[[int], list[int]]) -> float:
+    """Supervised fine-tuning (the cold start): minimise the mean negative log-likelihood of the trained
+    tokens, one AdamW step per micro-batch of `micro_batch_size` samples, `epochs` passes in the order
+    `permute(n)` gives. `log_likelihood(rows)` returns (the sum of log pi over the trained tokens of those
+    samples, their number). Returns the last epoch's mean loss.
+
+    Under torchrun every rank holds the same samples in the same order and takes its share of each
+    micro-batch; the loss divides by the micro-batch's global token count, so a step is the one a single
+    process takes. A rank left without a sample runs a zero-weight pass (DDP waits for its backward)."""
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=weight_decay)
+    policy.train()
+    losses: list[float] = []
+    for _ in range(epochs):
+        order, losses = permute(n_samples), []
+        for i in range(0, len(order), micro_batch_size):
+            rows = dist.shard(order[i:i + micro_batch_size])
+            weight = 1.0 if rows else 0.0
+            total, n_tokens = log_likelihood(rows or order[i:i + 1])
+            loss = -total * weight / max(1.0, dist.all_reduce(n_tokens * weight))
+            (loss * dist.grad_scale()).backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(dist.all_reduce(loss.item()))
+    policy.eval()
+    return sum(losses) / len(losses) if losses else float("nan")
