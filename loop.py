@@ -11,13 +11,8 @@ is averaged over each trajectory's tokens, trajectories count equally, and every
 divided by the constant minibatch size. Two epochs of reshuffled minibatches reuse the batch; no critic,
 no reference model, no KL term (one copy of the LLM in memory).
 
-Run:
-    python loop.py                                  # CPU default (docs/loop.md): packaged SmolLM2-135M on
-                                                    # TextWorld level 2, cold-start SFT then LOOP, < 15 min
-    python loop.py --env toy --model tiny-random --steps 20
-    python loop.py --env appworld                   # the paper's settings (GPU, vLLM)
-    torchrun --nproc-per-node 8 loop.py --env appworld --backend vllm
-    python loop.py --env appworld --dry-run         # memory plan per rank, no weights loaded
+Run: `python loop.py` (the CPU default, docs/loop.md), `python loop.py --env appworld` (the paper's settings,
+GPU, vLLM; under torchrun on several GPUs; --dry-run prints the memory plan per rank).
 
 Ours, not the paper's: an optional cold start (SFT on a few scripted-expert episodes, where the environment
 has an expert) before RL, so that a 135M model on a CPU starts from groups that sometimes disagree.
@@ -25,85 +20,48 @@ has an expert) before RL, so that a 135M model on a CPU starts from groups that 
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-from common import checkpoint, cli, dist, logprobs, metrics, models
+from common import dist, logprobs, models, run
 from common.cli import opt
-from common.generation import HFGenerator, eos_token_ids, make_generator
-from envs.base import EnvPool, make_env
+from common.generation import eos_token_ids
+from envs.base import EnvPool
 
 
 @dataclass
-class Args:
+class Args(run.RunArgs):
     """LOOP (Chen et al. 2025): leave-one-out PPO for long-horizon interactive agents; docs/loop.md."""
 
-    preset: Literal["auto", "none", "textworld", "appworld"] = opt(
-        "run", "auto", "settings filled into every flag not given (PRESETS): textworld, our CPU default; "
-        "appworld, the paper's; auto = the one named after --env; none = the defaults below")
-    env: str = opt("environment", "textworld", "environment name from envs/ (registry)")
-    env_options: str = opt("environment", "{}",
-                           "JSON keyword arguments for the environment, e.g. '{\"level\": 2}'")
-    model: str = opt("model", models.DEFAULT_MODEL, "HF id, local folder, or tiny-random")
-    backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine: auto | hf | vllm")
-    steps: int = opt("run", 5, "training iterations")
-    group_size: int = opt("rollout", 4, "K: rollouts per task (leave-one-out group)")
-    tasks_per_step: int = opt("rollout", 2, "B: tasks per iteration")
-    minibatch_size: int = opt("optimisation", 4, "rollouts per gradient step; the loss divisor")
-    micro_batch_size: int = opt("optimisation", 4, "rollouts per forward pass (memory only)")
-    epochs: int = opt("optimisation", 2, "passes over the iteration's rollouts (off-policy reuse)")
-    lr: float = opt("optimisation", 2e-4, "AdamW learning rate (constant; paper 5e-5)")
-    weight_decay: float = opt("optimisation", 0.01, "AdamW weight decay")
-    max_grad_norm: float = opt("optimisation", 1.0, "gradient-norm clip (paper 1.0, ml-loop 0.1)")
-    lora_rank: int = opt("model", 16, "LoRA rank (paper: 16); 0 = full fine-tune")
-    lora_alpha: int = opt("model", 32, "LoRA alpha")
-    dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
-    gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (long episodes)")
-    clip_eps: float = opt("algorithm", 0.1, "PPO epsilon; clip range [1/(1+eps), 1+eps]")
-    adv_threshold: float = opt("algorithm", 0.01, "drop rollouts with |advantage| below this")
-    importance_weight: Literal["token", "turn", "trajectory"] = opt(
-        "algorithm", "token", "ratio per token | turn | trajectory (paper ablation)")
+    preset: Literal["auto", "none", "textworld", "appworld"] = "auto"  # the names of PRESETS
+    max_turns: int = 2
+    lora_rank: int = 16  # paper: 16
+    lr: float = 2e-4  # constant; paper: 5e-5
+    cold_start_epochs: int = 2
+    cold_start_lr: float = 2e-4
+    steps: int = 5
+    save_every: int = 1
+    minibatch_size: int = opt("optimisation", 4, "rollouts per gradient step; the loss divisor", ge=1)
+    epochs: int = opt("optimisation", 2, "passes over the iteration's rollouts (off-policy reuse)", ge=1)
+    clip_eps: float = opt("algorithm", 0.1, "PPO epsilon; clip range [1/(1+eps), 1+eps]", gt=0)
+    adv_threshold: float = opt("algorithm", 0.01, "drop rollouts with |advantage| below this", ge=0)
+    importance_weight: Literal["token", "turn", "trajectory"] = opt("algorithm", "token", "ratio per token | "
+                                                                   "turn | trajectory (paper ablation)")
     std_normalize: bool = opt("algorithm", False, "divide advantages by the group std (GRPO-like ablation)")
-    kl_coef: float = opt("algorithm", 0.0, "KL penalty to the initial policy (ablation; 0 = none, the paper)")
-    kl_threshold: float = opt("algorithm", 20.0, "abandon the iteration when the k1 KL estimate exceeds this")
-    temperature: float = opt("rollout", 1.0, "sampling temperature for training rollouts; the PPO ratio's "
-                             "log-probs are computed at it too (ml-loop)")
-    max_turns: int = opt("environment", 2, "agent turns per episode (training)")
-    eval_max_turns: int = opt("environment", 0, "agent turns per episode at evaluation (0 = max-turns)")
-    max_new_tokens: int = opt("rollout", 16, "token limit per agent turn")
-    max_env_tokens: int = opt("environment", 256, "environment output cut to this many tokens")
-    max_seq_len: int = opt("rollout", 2048, "token cap of an episode's sequence: it ends (truncated) before "
-                           "a reply and a next turn would pass it")
-    eval_every: int = opt("run", 0, "greedy held-out eval every N iterations (0 = start/end)")
-    eval_tasks: int = opt("run", 8, "held-out tasks per evaluation")
-    out: str = opt("run", "", "run folder: args.json, metrics.jsonl, checkpoints/ (default: a new "
-                   "runs/loop-<time>; an existing one needs --resume)")
-    resume: bool = opt("run", False, "continue from the last checkpoint in --out")
-    report_to: Literal["none", "tensorboard", "wandb"] = opt(
-        "run", "none", "also log to TensorBoard (<out>/tensorboard) or Weights & Biases (pip install wandb)")
-    save_every: int = opt("run", 1, "checkpoint every N iterations")
-    cold_start: bool = opt("cold start", True, "SFT on scripted-expert episodes before RL where the env has "
-                           "an expert (ours, not the paper's: a 135M model never acts validly zero-shot)")
-    cold_start_episodes: int = opt("cold start", 8, "scripted-expert episodes in the cold start; 0 = off")
-    cold_start_epochs: int = opt("cold start", 2, "SFT passes over the expert episodes")
-    cold_start_lr: float = opt("cold start", 2e-4, "SFT learning rate (AdamW)")
-    seed: int = opt("run", 0, "everything is reproducible from it")
-    parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
-        "torchrun", "auto", "auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params")
-    dry_run: bool = opt("torchrun", False, "print the per-rank memory plan for --model and the world size, "
-                        "then exit (no weights loaded)")
+    kl_threshold: float = opt("algorithm", 20.0, "abandon an iteration whose k1 KL estimate is above", gt=0)
+    eval_max_turns: int = opt("environment", 0, "agent turns per episode at evaluation (0 = max-turns)", ge=0)
+    max_env_tokens: int = opt("environment", 256, "environment output cut to this many tokens", ge=1)
+    max_seq_len: int = opt("rollout", 2048, "an episode's token cap (it ends, truncated, before it)", ge=1)
 
 
-# Per-environment settings, applied to every field not given explicitly on the command line.
-# appworld: the paper's (Sec. 4) and ml-loop's conf.
+# Per-environment settings for the flags the command line leaves alone; appworld: the paper's and ml-loop's.
 PRESETS: dict[str, dict] = {
     # TextWorld coin collector level 2 (walk to the next room, take the coin): the CPU default, see docs
     "textworld": dict(env_options='{"level": 2, "train_games": 16, "eval_games": 8}', max_turns=3,
@@ -119,7 +77,7 @@ SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with 
                  "nothing else; when actions are listed, copy one of them.")
 
 
-# ---------------------------------------------------------------- advantage (Sec. 3, Eq. LOO baseline)
+# Advantage (Sec. 3): the leave-one-out baseline
 def leave_one_out_advantages(returns: list[float], std_normalize: bool = False) -> list[float]:
     """A_k = R_k - 1/(K-1) sum_{j != k} R_j over the K rollouts actually collected for one task."""
     k = len(returns)
@@ -139,7 +97,29 @@ def keep_mask(advantages: list[float], threshold: float) -> list[bool]:
     return [abs(a) >= threshold for a in advantages]
 
 
-# ---------------------------------------------------------------- objective (Sec. 3, per-token PPO)
+def group_advantages(rollouts: list[Rollout], std_normalize: bool) -> list[float]:
+    """Leave-one-out advantage of each rollout within its task's group (groups never span ranks).
+    A rollout whose environment failed is left out of its group, as ml-loop leaves out rollouts it did not
+    complete: its 0 reward says nothing about the policy. Its advantage is 0; keep_rollouts drops it."""
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        if r.env_error is None:
+            groups.setdefault(r.group, []).append(i)
+    adv = [0.0] * len(rollouts)
+    for idx in groups.values():
+        for i, a in zip(idx, leave_one_out_advantages([rollouts[i].reward for i in idx], std_normalize),
+                        strict=True):
+            adv[i] = a
+    return adv
+
+
+def keep_rollouts(rollouts: list[Rollout], advantages: list[float], threshold: float) -> list[bool]:
+    """keep_mask, and never a rollout whose environment failed (even at --adv-threshold 0)."""
+    keep = keep_mask(advantages, threshold)
+    return [k and r.env_error is None for r, k in zip(rollouts, keep, strict=True)]
+
+
+# Objective (Sec. 3): per-token PPO
 def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, turn_ids: torch.Tensor,
                     level: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Group token log-ratios into the units that carry one importance weight each.
@@ -208,7 +188,7 @@ def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch
     return loss, stats
 
 
-# ---------------------------------------------------------------- rollout: one token sequence per episode
+# Rollout: one token sequence per episode
 @dataclass
 class Rollout:
     task: object
@@ -234,10 +214,8 @@ class Rollout:
 
 
 def chat_pieces(tokenizer) -> tuple[str, str, str]:
-    """Text the chat template puts after an assistant message and around a user message.
-
-    Found by rendering a conversation with marker contents, so any template that appends turns works.
-    """
+    """Text the chat template puts after an assistant message and around a user message, found by rendering
+    a conversation with marker contents (so any template that appends turns works)."""
     a_mark, u_mark = "\x00ASSISTANT\x00", "\x00USER\x00"
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
             {"role": "assistant", "content": a_mark}]
@@ -295,13 +273,11 @@ def env_reply_ids(tokenizer, pieces: dict, obs: str, info: dict, max_env_tokens:
     return pieces["prefix"] + reply + pieces["suffix"]
 
 
-def collect_rollouts(generator, pool: EnvPool, tokenizer, tasks: list, group_size: int, args: Args, *,
-                     temperature: float, max_turns: int, seed: int, eos_ids: set[int]) -> list[Rollout]:
-    """Play len(tasks) x group_size episodes in lock-step, one growing token sequence each.
-
-    A sequence never exceeds --max-seq-len: a turn starts only with room for --max-new-tokens and the
-    template's end-of-turn glue, so an environment reply that would leave no such room ends the episode
-    (truncated) instead of being appended."""
+def rollout(generator, tokenizer, pool: EnvPool, tasks: list, group_size: int, args: Args, *,
+            temperature: float, max_turns: int, seed: int, eos_ids: set[int]) -> list[Rollout]:
+    """Play len(tasks) x group_size episodes in lock-step, one growing token sequence each. A sequence never
+    exceeds --max-seq-len: a turn starts only with room for --max-new-tokens and the template's end-of-turn
+    glue, so an environment reply that would leave no such room ends the episode (truncated) instead."""
     pieces = turn_pieces(tokenizer, eos_ids)
     turn_room = args.max_new_tokens + len(pieces["end"])  # most tokens one agent turn adds
     episodes = [Rollout(task=t, group=g, sample=k) for g, t in enumerate(tasks) for k in range(group_size)]
@@ -349,7 +325,22 @@ def collect_rollouts(generator, pool: EnvPool, tokenizer, tasks: list, group_siz
     return episodes
 
 
-# ---------------------------------------------------------------- batching and log-probs
+def training_rollouts(r: run.Run, pool: EnvPool, train_tasks: list, args: Args, step: int,
+                      eos_ids: set[int]) -> list[Rollout]:
+    """The iteration's B tasks x K rollouts at --temperature. The task list is the same on every rank; each
+    rank plays its share of the groups (whole groups) with its own sampling seed."""
+    tasks = random.Random(args.seed * 1_000_003 + step).sample(train_tasks, args.tasks_per_step)
+    mine = dist.shard(list(enumerate(tasks)))  # (global group index, task)
+    if not mine:
+        return []
+    rollouts = rollout(r.generator, r.tokenizer, pool, [t for _, t in mine], args.group_size, args,
+                       temperature=args.temperature, max_turns=args.max_turns,
+                       seed=dist.rank_seed(args.seed) * 1_000_003 + step, eos_ids=eos_ids)
+    for x in rollouts:
+        x.group = mine[x.group][0]
+    return rollouts
+
+
 def pad_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch.Tensor]:
     """Right-pad rollouts. input_ids/attention_mask: (N, T); per-target tensors: (N, T-1)."""
     t = max(len(r.ids) for r in batch)
@@ -369,10 +360,9 @@ def pad_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch
 
 
 def action_logprobs(model, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under softmax(logits /
-    temperature): the distribution the rollouts were sampled from (ml-loop divides by it too). The
-    vocabulary projection runs only on action tokens: with long observations and a small model it is most
-    of the cost."""
+    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under softmax(logits / temp): the
+    distribution the rollouts were sampled from (ml-loop divides by it too). The vocabulary projection runs
+    only on action tokens: with long observations and a small model it is most of the cost."""
     return logprobs.token_logprobs(model, b["input_ids"], b["attention_mask"], target_mask=b["action_mask"],
                                    temperature=temperature, chunk_size=1024)
 
@@ -387,42 +377,28 @@ def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, key: str,
                        temperature: float = 1.0) -> None:
-    """pi_old(x_t | x_<t) under the training model at the sampling temperature (the sampler's numbers are
-    not used for the ratio). Every rank runs the same number of forward passes (a sharded model's forward
-    is a collective)."""
+    """pi_old(x_t | x_<t) under the training model at the sampling temperature (not the sampler's numbers).
+    Every rank runs as many forward passes (dist.same_count: a sharded model's forward is a collective)."""
     chunks = [rollouts[i: i + micro] for i in range(0, len(rollouts), micro)]
-    for c in range(dist.all_reduce(len(chunks), "max")):
-        if c >= len(chunks):
+    for chunk, weight in dist.same_count(chunks, None):
+        if not weight:
             action_logprobs(model, dummy_batch(pad_id, model.device))
             continue
-        lp = action_logprobs(model, pad_batch(chunks[c], pad_id, model.device), temperature)  # (n, T-1)
-        for r, row in zip(chunks[c], lp, strict=True):
+        lp = action_logprobs(model, pad_batch(chunk, pad_id, model.device), temperature)  # (n, T-1)
+        for r, row in zip(chunk, lp, strict=True):
             setattr(r, key, row[: len(r.ids) - 1].tolist())
 
 
-# ---------------------------------------------------------------- update: epochs of minibatches
-def group_advantages(rollouts: list[Rollout], std_normalize: bool) -> list[float]:
-    """Leave-one-out advantage of each rollout within its task's group (groups never span ranks).
-    A rollout whose environment failed is left out of its group, as ml-loop leaves out rollouts it did not
-    complete: its 0 reward says nothing about the policy. Its advantage is 0; keep_rollouts drops it."""
-    groups: dict[int, list[int]] = {}
-    for i, r in enumerate(rollouts):
-        if r.env_error is None:
-            groups.setdefault(r.group, []).append(i)
-    adv = [0.0] * len(rollouts)
-    for idx in groups.values():
-        for i, a in zip(idx, leave_one_out_advantages([rollouts[i].reward for i in idx], std_normalize),
-                        strict=True):
-            adv[i] = a
-    return adv
+def reference_logprobs(r: run.Run, rollouts: list[Rollout], args: Args) -> None:
+    """log pi_ref for the KL ablation: the model as loaded from --model (LoRA: with the adapter off)."""
+    pad_id, micro, temp = r.tokenizer.pad_token_id, args.micro_batch_size, args.temperature
+    if r.reference is not None:  # full fine-tune: a frozen copy
+        return recompute_logprobs(r.reference, rollouts, pad_id, micro, "ref_logp", temp)
+    with models.unwrap(r.model).disable_adapter():
+        recompute_logprobs(r.model, rollouts, pad_id, micro, "ref_logp", temp)
 
 
-def keep_rollouts(rollouts: list[Rollout], advantages: list[float], threshold: float) -> list[bool]:
-    """keep_mask, and never a rollout whose environment failed (even at --adv-threshold 0)."""
-    keep = keep_mask(advantages, threshold)
-    return [k and r.env_error is None for r, k in zip(rollouts, keep, strict=True)]
-
-
+# Update: epochs of minibatches
 def merge_stats(acc: dict, st: dict) -> dict:
     """Sum the counters of loop_loss's stats; keep the extremes of the ratio."""
     for k, v in st.items():
@@ -445,10 +421,9 @@ def global_stats(st: dict) -> dict:
             "ratio_max": dist.all_reduce(st["ratio_max"], "max")}
 
 
-def loop_update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], args: Args,
-                gen: torch.Generator, pad_id: int) -> dict:
-    """Epochs of reshuffled minibatches over the GLOBAL batch; abandon the iteration if the KL estimate
-    explodes.
+def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], pad_id: int, args: Args,
+           rng: torch.Generator) -> dict:
+    """Epochs of reshuffled minibatches over the GLOBAL batch; the iteration is abandoned if KL explodes.
 
     Under torchrun each rank holds its own rollouts. All ranks shuffle the same global list (ordered by
     (group, sample), so the order does not depend on how groups were dealt out), take the same minibatch
@@ -462,19 +437,19 @@ def loop_update(policy, optimizer, rollouts: list[Rollout], advantages: list[flo
     totals = dict(EMPTY_STATS)
     losses, grad_norms, abandoned = [], [], False
     for _ in range(args.epochs):
-        order = torch.randperm(len(everyone), generator=gen).tolist()
+        order = torch.randperm(len(everyone), generator=rng).tolist()
         for start in range(0, len(order), args.minibatch_size):
             mb = [mine[everyone[j]] for j in order[start: start + args.minibatch_size] if everyone[j] in mine]
             micro = [mb[m: m + args.micro_batch_size] for m in range(0, len(mb), args.micro_batch_size)]
             mb_stats, mb_loss = dict(EMPTY_STATS), 0.0
             # DDP all-reduces gradients at every backward: every rank runs the same number of them
-            for m in range(dist.all_reduce(len(micro), "max")):
-                if m >= len(micro):  # zero-weight pass
+            for rows, weight in dist.same_count(micro, None):
+                if not weight:  # zero-weight pass
                     (action_logprobs(policy, dummy_batch(pad_id, device)).sum() * 0.0).backward()
                     continue
-                b = pad_batch([rollouts[i] for i in micro[m]], pad_id, device)
+                b = pad_batch([rollouts[i] for i in rows], pad_id, device)
                 new_logp = action_logprobs(policy, b, args.temperature)  # (n, T-1)
-                adv = torch.tensor([advantages[i] for i in micro[m]], device=device)  # (n,)
+                adv = torch.tensor([advantages[i] for i in rows], device=device)  # (n,)
                 loss, st = loop_loss(new_logp, b["old_logp"], b["action_mask"], adv, b["turn_ids"],
                                      clip_eps=args.clip_eps, minibatch_size=args.minibatch_size,
                                      level=args.importance_weight, ref_logp=b.get("ref_logp"),
@@ -497,27 +472,61 @@ def loop_update(policy, optimizer, rollouts: list[Rollout], advantages: list[flo
         if abandoned:
             break
     n, any_tokens = max(totals["rollouts"], 1.0), totals["tokens"] > 0
-    return {
-        "loss": sum(losses) / max(len(losses), 1),
-        "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        "gradient_steps": len(losses),
-        "clip_fraction": totals["clipped"] / max(totals["units"], 1.0),
-        "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1.0),
-        "ratio_min": totals["ratio_min"] if any_tokens else 1.0,
-        "ratio_max": totals["ratio_max"] if any_tokens else 1.0,
-        "kl_k1": totals["k1_sum"] / n, "kl_k3": totals["k3_sum"] / n,
-        "abandoned": float(abandoned),
-    }
+    return {"loss": sum(losses) / max(len(losses), 1), "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "gradient_steps": len(losses), "clip_fraction": totals["clipped"] / max(totals["units"], 1.0),
+            "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1.0),
+            "ratio_min": totals["ratio_min"] if any_tokens else 1.0,
+            "ratio_max": totals["ratio_max"] if any_tokens else 1.0,
+            "kl_k1": totals["k1_sum"] / n, "kl_k3": totals["k3_sum"] / n, "abandoned": float(abandoned)}
 
 
-# ---------------------------------------------------------------- cold start (ours; not in the paper)
+def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
+    """The iteration's rollouts, summed over ranks; one console line when environments failed."""
+    n, total = dist.all_reduce(len(rollouts)), lambda xs: dist.all_reduce(float(sum(xs)))
+    out = {"rollouts": n, "reward_mean": total(r.reward for r in rollouts) / n,
+           "success_rate": total(r.won for r in rollouts) / n,
+           "num_tokens": int(total(len(r.ids) for r in rollouts)),
+           "action_tokens": int(total(sum(r.action_mask) for r in rollouts)),
+           "turns_mean": total(r.turns for r in rollouts) / n,
+           "truncated_fraction": total(r.truncated for r in rollouts) / n,
+           "env_errors": int(total(r.env_error is not None for r in rollouts)),
+           "filtered_fraction": 1.0 - n_kept / n}
+    if out["env_errors"]:  # the same on every rank: each sends its first error to rank 0's line
+        first = next((r.env_error for r in rollouts if r.env_error is not None), None)
+        warn_env_errors(f"step {step}", out["env_errors"], n, dist.all_gather_object(first))
+    return out
+
+
+def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, eos_ids: set[int]) -> dict:
+    """Greedy decoding on held-out tasks (paper: eval at temperature 0)."""
+    eps = rollout(generator, tokenizer, pool, tasks, 1, args, temperature=0.0,
+                  max_turns=args.eval_max_turns or args.max_turns, seed=args.seed, eos_ids=eos_ids)
+    errors = [e.env_error for e in eps if e.env_error is not None]
+    warn_env_errors("held-out evaluation", len(errors), len(eps), errors[:1])
+    return {"eval/success_rate": sum(e.won for e in eps) / len(eps),
+            "eval/reward_mean": sum(e.reward for e in eps) / len(eps), "eval/env_errors": len(errors)}
+
+
+def warn_env_errors(where: str, n_errors: int, n: int, firsts: list) -> None:
+    """One console line when episodes ended by an environment error (their reward 0 is not the policy's)."""
+    first = next((e for e in firsts if e), None)
+    if n_errors and dist.is_main():
+        tqdm.write(f"loop.py: {where}: {n_errors} of {n} episodes ended by an environment error "
+                   f"(first: {first})", file=sys.stderr)
+
+
+def model_eos_ids(tokenizer, model) -> set[int]:
+    """Every id the model may end a turn with (its generation config's and its config's EOS)."""
+    return eos_token_ids(tokenizer, model.generation_config) | eos_token_ids(tokenizer, model.config)
+
+
+# Cold start (ours; not in the paper)
 def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) -> list[Rollout]:
-    """The environment's scripted expert (`env.expert_action()`) playing `tasks`, written exactly as the
-    policy's own episodes are (same prompt, glue and truncation); only the expert's actions are masked in.
-    Episodes the expert does not win within --max-turns, or before --max-seq-len would cut a policy's
-    episode, are dropped."""
+    """The environment's scripted expert (`env.expert_action()`) playing `tasks`, written as the policy's
+    own episodes are (same prompt, glue and truncation); only the expert's actions are masked in. Episodes
+    it does not win within --max-turns, or before --max-seq-len would cut a policy's episode, are dropped."""
     pieces = turn_pieces(tokenizer, eos_ids)
-    turn_room = args.max_new_tokens + len(pieces["end"])  # as in collect_rollouts
+    turn_room = args.max_new_tokens + len(pieces["end"])  # as in rollout
     demos = []
     for task in tasks:
         obs, info = env.reset(task)
@@ -543,257 +552,98 @@ def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) 
     return demos
 
 
-def cold_start_sft(policy, demos: list[Rollout], args: Args, pad_id: int, gen: torch.Generator) -> float:
-    """SFT: mean negative log-likelihood of the expert's action tokens, one AdamW step per micro-batch of
-    --micro-batch-size episodes (split over the ranks), --cold-start-epochs reshuffled passes. Returns the
-    mean loss of the last epoch."""
-    device = next(policy.parameters()).device
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.cold_start_lr,
-                                  weight_decay=args.weight_decay)
-    losses = []
-    for _ in range(args.cold_start_epochs):
-        order, losses = torch.randperm(len(demos), generator=gen).tolist(), []
-        for m in range(0, len(order), args.micro_batch_size):
-            rows = dist.shard(order[m: m + args.micro_batch_size])  # this rank's share of the micro-batch
-            b = pad_batch([demos[i] for i in rows], pad_id, device) if rows else dummy_batch(pad_id, device)
-            n_local = float(b["action_mask"].sum()) if rows else 0.0
-            logp = action_logprobs(policy, b)  # (n, T-1), zero off the action tokens
-            loss = -logp.sum() * float(bool(rows)) / max(dist.all_reduce(n_local), 1.0)  # global token mean
-            (loss * dist.grad_scale()).backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(dist.all_reduce(loss.item()))
-    return sum(losses) / max(len(losses), 1)
+def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
+    """SFT (run.sft: the mean negative log-likelihood of the expert's action tokens) on a few scripted-expert
+    episodes, so that RL starts from groups that sometimes disagree. {} where the env has no expert."""
+    if args.cold_start_episodes == 0 or not hasattr(env, "expert_action"):
+        return {}
+    t0, pad_id = time.time(), r.tokenizer.pad_token_id
+    picks = random.Random(args.seed).sample(train_tasks, min(args.cold_start_episodes, len(train_tasks)))
+    demos = expert_rollouts(env, r.tokenizer, picks, args, model_eos_ids(r.tokenizer, r.model))
 
+    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # zero off the action tokens
+        batch = pad_batch([demos[i] for i in rows], pad_id, r.device)
+        return action_logprobs(r.policy, batch).sum(), float(batch["action_mask"].sum())
 
-# ---------------------------------------------------------------- main
-def apply_preset(args: Args, argv: list[str]) -> Args:
-    """Fill PRESETS[--preset] (auto: the one named after --env) into every field argv does not set."""
-    return cli.apply_preset(args, argv, PRESETS)
-
-
-# Flags that make no sense at 0 or below, and those that make no sense below 0.
-AT_LEAST_ONE = ("steps", "tasks_per_step", "minibatch_size", "micro_batch_size", "epochs", "max_turns",
-                "max_new_tokens", "max_env_tokens", "max_seq_len", "eval_tasks", "save_every",
-                "cold_start_epochs")
-NOT_NEGATIVE = ("eval_max_turns", "eval_every", "cold_start_episodes", "lora_rank", "weight_decay",
-                "adv_threshold", "kl_coef")
-POSITIVE = ("lr", "cold_start_lr", "max_grad_norm", "clip_eps", "kl_threshold", "lora_alpha",
-            "temperature")  # temperature 0 would divide the recomputed logits by 0 (greedy is eval only)
-
-
-def check_args(args: Args) -> None:
-    """Bad values end here, in one line naming the flag, before anything is loaded."""
-    problems = []
-    if args.group_size < 2:
-        problems.append("--group-size must be >= 2: the leave-one-out baseline needs another rollout")
-    tests = ((AT_LEAST_ONE, ">= 1", lambda v: v >= 1), (NOT_NEGATIVE, ">= 0", lambda v: v >= 0),
-             (POSITIVE, "> 0", lambda v: v > 0))  # a NaN fails every test
-    for names, bound, ok in tests:
-        problems += [f"--{n.replace('_', '-')} must be {bound} (got {getattr(args, n)})"
-                     for n in names if not ok(getattr(args, n))]
-    if problems:
-        raise SystemExit("loop.py: " + "; ".join(problems))
-
-
-def evaluate(generator, pool: EnvPool, tokenizer, tasks: list, args: Args, eos_ids: set[int]) -> dict:
-    """Greedy decoding on held-out tasks (paper: eval at temperature 0)."""
-    eps = collect_rollouts(generator, pool, tokenizer, tasks, 1, args, temperature=0.0,
-                           max_turns=args.eval_max_turns or args.max_turns, seed=args.seed, eos_ids=eos_ids)
-    errors = [e.env_error for e in eps if e.env_error is not None]
-    warn_env_errors("held-out evaluation", len(errors), len(eps), errors[:1])
-    return {"eval/success_rate": sum(e.won for e in eps) / len(eps),
-            "eval/reward_mean": sum(e.reward for e in eps) / len(eps), "eval/env_errors": len(errors)}
-
-
-def warn_env_errors(where: str, n_errors: int, n: int, firsts: list) -> None:
-    """One console line when episodes ended by an environment error (their reward 0 is not the policy's)."""
-    first = next((e for e in firsts if e), None)
-    if n_errors and dist.is_main():
-        tqdm.write(f"loop.py: {where}: {n_errors} of {n} episodes ended by an environment error "
-                   f"(first: {first})", file=sys.stderr)
+    rng = torch.Generator().manual_seed(args.seed)
+    loss = run.sft(r.policy, len(demos), log_likelihood, lr=args.cold_start_lr, epochs=args.cold_start_epochs,
+                   weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                   micro_batch_size=args.micro_batch_size,
+                   permute=lambda n: torch.randperm(n, generator=rng).tolist())
+    r.generator.update_weights(r.model)
+    return {"cold_start/episodes": len(demos), "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
 
 
 def build_envs(args: Args) -> tuple:
-    """The environment, its task lists and the pools, before any model loads: a missing optional
-    environment or a bad --env-options costs one line, not a model load."""
-    try:
-        env_options = json.loads(args.env_options)
-        env = make_env(args.env, **env_options)
-        train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[: args.eval_tasks]
-        if hasattr(env, "game_file"):  # TextWorld compiles a game on first use: not inside a step timeout
-            for task in train_tasks + eval_tasks:
-                env.game_file(task)
-        # each rank plays whole groups: its share of the B tasks (dist.shard), K rollouts each
-        pool = EnvPool(args.env, len(dist.shard(range(args.tasks_per_step))) * args.group_size, **env_options)
-        eval_pool = EnvPool(args.env, len(eval_tasks), **env_options) if dist.is_main() else None
-    except (ValueError, TypeError, ImportError, RuntimeError, OSError) as e:
-        # unknown env, bad JSON, an option the env does not take, a missing package or its data
-        options = f" --env-options {args.env_options}" if args.env_options.strip() != "{}" else ""
-        raise SystemExit(f"loop.py: --env {args.env}{options}: {e}") from None
+    """The environment, its task lists and the pools, before any model loads (a bad --env: one line)."""
+    env, options, train_tasks, eval_tasks = run.make_env(args)
+    if hasattr(env, "game_file"):  # TextWorld compiles a game on first use: not inside a step timeout
+        for task in train_tasks + eval_tasks:
+            env.game_file(task)
+    # each rank plays whole groups: its share of the B tasks (dist.shard), K rollouts each
+    pool = EnvPool(args.env, len(dist.shard(range(args.tasks_per_step))) * args.group_size, **options)
+    eval_pool = EnvPool(args.env, len(eval_tasks), **options) if dist.is_main() else None
     return env, train_tasks, eval_tasks, pool, eval_pool
 
 
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = apply_preset(cli.parse_args(Args, argv), argv)
-    check_args(args)
-    device = dist.init()
-    if args.dry_run:  # memory plan per rank from the model's shape alone
-        from common.plan import print_plan
-        if dist.is_main():
-            print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=args.max_seq_len,
-                       micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
-                       dtype=args.dtype, vllm_dtype="bfloat16", chunk_size=1024,
-                       gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True)
-        dist.cleanup()
-        return {}
-    env, train_tasks, eval_tasks, pool, eval_pool = build_envs(args)
-    args.out = checkpoint.prepare_run_dir("loop.py", args)  # writes args.json; before the model loads
-    random.seed(args.seed)  # the plain seed: identical model initialisation on every rank
-    torch.manual_seed(args.seed)
-
-    # ---- set-up: one copy of the LLM (policy); the generator reads its weights
-    try:
-        model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
-                                              lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                                              gradient_checkpointing=args.gradient_checkpointing)
-    except models.ModelNotFoundError as e:
-        raise SystemExit(f"loop.py: {e}") from None
-    model.eval()  # no dropout: the recomputed old log-probs equal the first minibatch's new ones
-    reference = None
-    if args.kl_coef > 0 and args.lora_rank == 0:  # full fine-tune: the KL ablation needs a frozen copy
-        import copy
-        reference = copy.deepcopy(model).requires_grad_(False)
-        if args.resume:
-            raise SystemExit("loop.py: --resume with --kl-coef and full fine-tuning is not supported "
-                             "(the initial policy is not in the checkpoint); use --lora-rank")
-    generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model))
-    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
-            and isinstance(generator, HFGenerator):
-        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
-        raise SystemExit("loop.py: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
-                         "would deadlock); use --parallel ddp or --lora-rank > 0")
-    # training forward/backward goes through DDP (gradients averaged over ranks); generation uses `model`
-    policy = dist.wrap(model, args.parallel)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
-    state = checkpoint.load_checkpoint(args.out, model, optimizer) if args.resume else None  # every rank
-    start = state["step"] if state else 0
-    extra = (state or {}).get("extra") or {}
-    if start:
-        generator.update_weights(model)
-    pad_id = tokenizer.pad_token_id
-    eos_ids = eos_token_ids(tokenizer, model.generation_config) | eos_token_ids(tokenizer, model.config)
-
-    def held_out() -> dict:  # rank 0 evaluates, the others wait for its numbers
-        main_rank = dist.is_main()
-        return dist.broadcast_object(evaluate(generator, eval_pool, tokenizer, eval_tasks, args, eos_ids)
-                                     if main_rank else None)
-
-    logger = metrics.MetricsLogger(args.out, args.steps, desc="loop", initial_step=start if state else None,
-                                   report_to=args.report_to, config=asdict(args), enabled=dist.is_main())
-    if "eval_before" not in extra:
-        extra["eval_before"] = held_out()
-        logger.log({"step": 0, **extra["eval_before"]})
-        # ---- cold start (ours): SFT on a few scripted-expert episodes, so that RL starts from a policy
-        # whose groups sometimes disagree (zero-shot, a 135M model never writes a valid command)
-        if args.cold_start and args.cold_start_episodes > 0 and hasattr(env, "expert_action"):
-            t0 = time.time()
-            n_demos = min(args.cold_start_episodes, len(train_tasks))
-            picks = random.Random(args.seed).sample(train_tasks, n_demos)
-            demos = expert_rollouts(env, tokenizer, picks, args, eos_ids)
-            sft_loss = cold_start_sft(policy, demos, args, pad_id, torch.Generator().manual_seed(args.seed))
-            generator.update_weights(model)
-            extra["eval_cold_start"] = held_out()
-            logger.log({"step": 0, "cold_start/episodes": len(demos), "cold_start/loss": sft_loss,
-                        "cold_start/time_s": time.time() - t0,
-                        **{k.replace("eval/", "eval_cold_start/"): v
-                           for k, v in extra["eval_cold_start"].items()}})
-
-    last: dict = {}
-    t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
-    for it in range(start, args.steps):
+    args = run.parse(Args, argv, PRESETS)
+    if args.dry_run:
+        return run.dry_run(args, seq_len=args.max_seq_len, chunk_size=1024)
+    env, train_tasks, eval_tasks, pool, eval_pool = build_envs(args)  # before the model: errors cost no load
+    r = run.setup(args, desc="loop")
+    pad_id, eos_ids = r.tokenizer.pad_token_id, model_eos_ids(r.tokenizer, r.model)
+    held_out = lambda: run.on_main(lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args,
+                                                    eos_ids))
+    if "base" not in r.extra:  # a resumed run has done these
+        r.extra["base"] = held_out()
+        r.logger.log({"step": 0, **r.extra["base"]})
+        if args.cold_start and (log := cold_start(r, env, train_tasks, args)):  # {}: --env has no expert
+            r.extra["cold_start"] = held_out()
+            r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
+                                               for k, v in r.extra["cold_start"].items()}})
+    line, t_rl = {}, time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
+    for step in range(r.start_step, args.steps):
         t0 = time.time()
-        # ---- 1. rollout: B tasks x K episodes, sampled at --temperature from the current policy. The
-        # task list is the same on every rank; each rank plays its share with its own sampling seed.
-        tasks = random.Random(args.seed * 1_000_003 + it).sample(train_tasks, args.tasks_per_step)
-        mine = dist.shard(list(enumerate(tasks)))  # (global group index, task)
-        rollouts = collect_rollouts(generator, pool, tokenizer, [t for _, t in mine], args.group_size, args,
-                                    temperature=args.temperature, max_turns=args.max_turns,
-                                    seed=dist.rank_seed(args.seed) * 1_000_003 + it, eos_ids=eos_ids) \
-            if mine else []
-        for r in rollouts:
-            r.group = mine[r.group][0]
-        generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
+        # 1. rollout: B tasks x K episodes at --temperature from the current policy
+        rollouts = training_rollouts(r, pool, train_tasks, args, step, eos_ids)
+        r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
         t1 = time.time()
-        # ---- 2. advantage: leave-one-out within each task's group (without the rollouts whose environment
-        # failed), then drop |A| < threshold and the failed rollouts
+        # 2. leave-one-out advantages within each group, then drop |A| < threshold and failed rollouts
         advantages = group_advantages(rollouts, args.std_normalize)
         keep = keep_rollouts(rollouts, advantages, args.adv_threshold)
-        kept = [r for r, k in zip(rollouts, keep, strict=True) if k]
+        kept = [x for x, k in zip(rollouts, keep, strict=True) if k]
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
         n_kept = dist.all_reduce(len(kept))
-        # ---- 3. old log-probs (and the reference's, for the KL ablation) under the training model
-        micro, temp = args.micro_batch_size, args.temperature
-        recompute_logprobs(model, kept, pad_id, micro, "old_logp", temp)
+        # 3. old log-probs (and the reference's, for the KL ablation) under the training model
+        recompute_logprobs(r.model, kept, pad_id, args.micro_batch_size, "old_logp", args.temperature)
         if args.kl_coef > 0:
-            if reference is not None:
-                recompute_logprobs(reference, kept, pad_id, micro, "ref_logp", temp)
-            else:  # LoRA: the initial policy is the base model with the adapter switched off
-                with models.unwrap(model).disable_adapter():
-                    recompute_logprobs(model, kept, pad_id, micro, "ref_logp", temp)
+            reference_logprobs(r, kept, args)
         t2 = time.time()
-        # ---- 4. update: epochs of reshuffled minibatches, then the new weights go to the generator
-        update = {"loss": 0.0, "gradient_steps": 0}
+        # 4. update: epochs of reshuffled minibatches (the same shuffle on every rank)
+        trained = {"loss": 0.0, "gradient_steps": 0}
         if n_kept:  # the same on every rank
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + it)  # same shuffle on every rank
-            update = loop_update(policy, optimizer, kept, kept_adv, args, gen, pad_id)
-            generator.update_weights(model)
+            rng = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+            trained = update(r.policy, r.optimizer, kept, kept_adv, pad_id, args, rng)
+            r.generator.update_weights(r.model)
         t3 = time.time()
-        # ---- 5. log: sums over ranks
-        n = dist.all_reduce(len(rollouts))
-        total = lambda xs: dist.all_reduce(float(sum(xs)))
-        last = {
-            "step": it + 1,
-            "rollouts": n,
-            "reward_mean": total(r.reward for r in rollouts) / n,
-            "success_rate": total(r.won for r in rollouts) / n,
-            "num_tokens": int(total(len(r.ids) for r in rollouts)),
-            "action_tokens": int(total(sum(r.action_mask) for r in rollouts)),
-            "turns_mean": total(r.turns for r in rollouts) / n,
-            "truncated_fraction": total(r.truncated for r in rollouts) / n,
-            "env_errors": int(total(r.env_error is not None for r in rollouts)),
-            "filtered_fraction": 1.0 - n_kept / n,
-            **update,
-            "time_rollout_s": t1 - t0, "time_logprobs_s": t2 - t1, "time_update_s": t3 - t2,
-            "time_s": t3 - t_rl, "step_time_s": t3 - t0,  # to the end of the update, as arpo and t2po
-        }
-        if last["env_errors"]:  # the same on every rank: each sends its first error to rank 0's line
-            mine_first = next((r.env_error for r in rollouts if r.env_error is not None), None)
-            warn_env_errors(f"step {it + 1}", last["env_errors"], n, dist.all_gather_object(mine_first))
-        # ---- 6. held-out evaluation, checkpoint
-        if args.eval_every and (it + 1) % args.eval_every == 0 and it + 1 < args.steps:
-            last.update(held_out())
-            last["time_eval_s"] = time.time() - t3
-        logger.log(last)
-        if (it + 1) % args.save_every == 0 or it + 1 == args.steps:
-            checkpoint.save_checkpoint(args.out, it + 1, model, optimizer, args, extra=extra)
-
-    after = held_out()
-    logger.log({"step": args.steps, **after})
-    logger.close()
-    before = extra["eval_before"]["eval/success_rate"]
-    cold = extra.get("eval_cold_start", {}).get("eval/success_rate")
-    if dist.is_main():
-        print(f"held-out success ({len(eval_tasks)} tasks, greedy): before {before:.3f} -> "
-              + (f"cold start {cold:.3f} -> " if cold is not None else "")
-              + f"after LOOP {after['eval/success_rate']:.3f}")
+        line = {"step": step + 1, **rollout_metrics(rollouts, n_kept, step + 1), **trained,
+                "time_rollout_s": t1 - t0, "time_logprobs_s": t2 - t1, "time_update_s": t3 - t2,
+                "time_s": t3 - t_rl, "step_time_s": t3 - t0}  # to the end of the update, as arpo and t2po
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            line.update({**held_out(), "time_eval_s": time.time() - t3})
+        r.logger.log(line)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            run.save(r, args, step + 1)
+    r.extra["rl"] = held_out()
+    r.logger.log({"step": args.steps, **r.extra["rl"]})
+    r.logger.close()
+    stages = (("base", "before"), ("cold_start", "cold start"), ("rl", "after LOOP"))
+    run.say(f"held-out success ({len(eval_tasks)} tasks, greedy): " + " -> ".join(
+        f"{name} {r.extra[stage]['eval/success_rate']:.3f}" for stage, name in stages if stage in r.extra))
     dist.cleanup()
-    return {**last, **after, "eval/success_rate_before": before,
-            **({"eval/success_rate_cold_start": cold} if cold is not None else {})}
+    return {**line, **r.extra["rl"]}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from learning_util import SEEDS, rise, train_curve
 from torchrun_util import DIST_SCRIPTS, ROOT, assert_ranks_match_one_process, torchrun
 
 import loop
+from common import run
 
 # ---------------------------------------------------------------- leave-one-out advantage
 
@@ -126,17 +127,24 @@ def test_bad_importance_level_is_a_clear_error():
 
 
 def test_bad_flags_end_in_one_clear_message():
-    with pytest.raises(SystemExit, match="group-size must be >= 2"):
+    with pytest.raises(SystemExit, match="--group-size 1: must be >= 2"):
         loop.main(["--group-size", "1"])
 
 
+def test_loop_keeps_its_own_defaults_of_the_shared_flags():
+    args = loop.Args()
+    assert (args.steps, args.max_turns, args.lora_rank, args.lr, args.save_every) == (5, 2, 16, 2e-4, 1)
+    assert (args.cold_start_epochs, args.cold_start_lr, args.group_size) == (2, 2e-4, 4)
+    assert (args.minibatch_size, args.epochs, args.clip_eps, args.adv_threshold) == (4, 2, 0.1, 0.01)
+
+
 def test_env_preset_fills_only_unset_fields():
-    args = loop.apply_preset(loop.Args(env="appworld", lr=1e-3), ["--env", "appworld", "--lr", "1e-3"])
+    args = run.parse(loop.Args, ["--env", "appworld", "--lr", "1e-3"], loop.PRESETS)
     assert (args.lora_rank, args.lora_alpha, args.max_turns, args.max_new_tokens) == (16, 32, 40, 1500)
     assert (args.group_size, args.tasks_per_step, args.minibatch_size) == (6, 40, 32)
     assert args.cold_start is False  # the paper starts RL from the instruct model
     assert args.lr == 1e-3  # given explicitly: kept
-    assert loop.apply_preset(loop.Args(env="toy"), []).lora_rank == loop.Args().lora_rank
+    assert run.parse(loop.Args, ["--env", "toy"], loop.PRESETS).lora_rank == loop.Args().lora_rank
 
 
 def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys, monkeypatch):
@@ -194,8 +202,7 @@ def test_action_logprobs_match_full_logprobs(tiny):
 def _sgd_update(model, rollouts, advantages, lr=1e-2):
     args = loop.Args(epochs=1, minibatch_size=len(rollouts), micro_batch_size=2, max_grad_norm=1e9)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    return loop.loop_update(model, opt, rollouts, advantages, args, torch.Generator().manual_seed(0),
-                            pad_id=0)
+    return loop.update(model, opt, rollouts, advantages, 0, args, torch.Generator().manual_seed(0))
 
 
 def test_first_minibatch_ratio_is_one_so_nothing_clips(tiny):
@@ -233,8 +240,8 @@ def test_rollout_is_one_sequence_and_only_model_tokens_are_actions(tiny):
     model, tok = tiny
     gen = make_generator("hf", model, tok)
     args = loop.Args(max_new_tokens=5)
-    eps = loop.collect_rollouts(gen, EnvPool("toy", 2), tok, [0], 2, args, temperature=1.0, max_turns=3,
-                                seed=0, eos_ids={tok.eos_token_id})
+    eps = loop.rollout(gen, tok, EnvPool("toy", 2), [0], 2, args, temperature=1.0, max_turns=3, seed=0,
+                       eos_ids={tok.eos_token_id})
     for ep in eps:
         assert ep.turns == 2 and ep.done  # toy ends after its 2 turns, before max_turns
         assert len(ep.ids) == len(ep.action_mask) == len(ep.turn_ids)
@@ -291,7 +298,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
     small = [*TOY, "--group-size", "2", "--minibatch-size", "2", "--steps", "3"]
     loop.main([*small, "--out", str(tmp_path / "straight")])
 
-    real_update, calls = loop.loop_update, []
+    real_update, calls = loop.update, []
 
     def interrupted(*a, **k):  # dies inside iteration 3, after iteration 2's checkpoint was written
         calls.append(1)
@@ -299,17 +306,17 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
             raise KeyboardInterrupt
         return real_update(*a, **k)
 
-    monkeypatch.setattr(loop, "loop_update", interrupted)
+    monkeypatch.setattr(loop, "update", interrupted)
     with pytest.raises(KeyboardInterrupt):
         loop.main([*small, "--out", str(tmp_path / "resumed")])
-    monkeypatch.setattr(loop, "loop_update", real_update)
+    monkeypatch.setattr(loop, "update", real_update)
     loop.main([*small, "--out", str(tmp_path / "resumed"), "--resume"])
 
     params = []
-    for run in ("straight", "resumed"):
+    for name in ("straight", "resumed"):
         model, _ = models.load_policy(models.TINY_MODEL)
         opt = torch.optim.AdamW(model.parameters())
-        assert checkpoint.load_checkpoint(str(tmp_path / run), model, opt)["step"] == 3
+        assert checkpoint.load_checkpoint(str(tmp_path / name), model, opt)["step"] == 3
         params.append(model.state_dict())
     fresh, _ = models.load_policy(models.TINY_MODEL)
     assert any(not torch.equal(params[0][k], v) for k, v in fresh.state_dict().items())  # it trained
@@ -356,6 +363,7 @@ def test_torchrun_training_run_logs_global_metrics_and_resumes_on_one_process(tm
 
 def test_expert_episode_is_written_like_a_rollout_and_sft_raises_its_likelihood(tiny):
     import copy
+    from types import SimpleNamespace
 
     from envs.base import make_env
 
@@ -372,31 +380,41 @@ def test_expert_episode_is_written_like_a_rollout_and_sft_raises_its_likelihood(
     assert "-= Shower =-" in context and "Available actions:" in context  # the env's reply is context
     assert sum(demo.action_mask) == len(tok("go west")["input_ids"]) + len(tok("take coin")["input_ids"]) + 2
 
-    policy = copy.deepcopy(model)
-    args = loop.Args(cold_start_epochs=3, cold_start_lr=1e-2, micro_batch_size=1)
+    # the cold start itself (expert episodes, then run.sft) on that one game
+    policy, pushed = copy.deepcopy(model), []
+    r = SimpleNamespace(policy=policy, model=policy, tokenizer=tok, device="cpu",
+                        generator=SimpleNamespace(update_weights=pushed.append))
+    args = loop.Args(max_turns=3, cold_start_episodes=1, cold_start_epochs=3, cold_start_lr=1e-2,
+                     micro_batch_size=1)
 
     def expert_logp() -> float:
         loop.recompute_logprobs(policy, [demo], tok.pad_token_id, 1, "old_logp")
         return sum(demo.old_logp)  # zero off the action tokens
 
     before = expert_logp()
-    loop.cold_start_sft(policy, [demo], args, tok.pad_token_id, torch.Generator().manual_seed(0))
+    log = loop.cold_start(r, env, [0], args)
+    assert log["cold_start/episodes"] == 1 and math.isfinite(log["cold_start/loss"])
+    assert pushed == [policy]  # the generator got the new weights
     assert expert_logp() > before + 1.0
+    assert loop.cold_start(r, make_env("toy"), [0], args) == {}  # no expert: nothing to copy
 
 
 # ---------------------------------------------------------------- bad input: one line, before anything loads
 
+# loop's own flags keep their bounds; the shared ones have RunArgs' (--lr 0, --cold-start-lr 0 and
+# --cold-start-epochs 0 are allowed there: a no-update control, no cold start)
 BAD_VALUES = [("--eval-tasks", "0", ">= 1", 0), ("--temperature", "-1", "> 0", -1.0),
-              ("--temperature", "0", "> 0", 0.0), ("--temperature", "nan", "> 0", math.nan),
-              ("--lr", "0", "> 0", 0.0), ("--max-seq-len", "0", ">= 1", 0),
-              ("--clip-eps", "-0.1", "> 0", -0.1),
+              ("--temperature", "0", "> 0", 0.0), ("--temperature", "nan", "a finite number", math.nan),
+              ("--lr", "-1", ">= 0", -1.0), ("--max-seq-len", "0", ">= 1", 0),
+              ("--clip-eps", "-0.1", "> 0", -0.1), ("--minibatch-size", "0", ">= 1", 0),
+              ("--epochs", "0", ">= 1", 0),
               ("--max-grad-norm", "0", "> 0", 0.0), ("--kl-threshold", "0", "> 0", 0.0),
               ("--kl-coef", "-1", ">= 0", -1.0), ("--adv-threshold", "-1", ">= 0", -1.0),
               ("--lora-rank", "-1", ">= 0", -1), ("--lora-alpha", "0", "> 0", 0),
               ("--eval-max-turns", "-1", ">= 0", -1), ("--eval-every", "-1", ">= 0", -1),
               ("--max-env-tokens", "0", ">= 1", 0), ("--save-every", "0", ">= 1", 0),
-              ("--cold-start-episodes", "-1", ">= 0", -1), ("--cold-start-epochs", "0", ">= 1", 0),
-              ("--cold-start-lr", "0", "> 0", 0.0), ("--weight-decay", "-0.1", ">= 0", -0.1),
+              ("--cold-start-episodes", "-1", ">= 0", -1), ("--cold-start-epochs", "-1", ">= 0", -1),
+              ("--cold-start-lr", "-1", ">= 0", -1.0), ("--weight-decay", "-0.1", ">= 0", -0.1),
               ("--steps", "-1", ">= 1", -1)]
 
 
@@ -408,16 +426,16 @@ def test_bad_value_ends_in_one_line_naming_the_flag_before_anything_loads(flag, 
     def loaded(*a, **k):
         raise AssertionError("got past the argument check")
 
-    for module, name in ((models, "load_policy"), (dist, "init"), (loop, "make_env"), (loop, "EnvPool")):
+    for module, name in ((models, "load_policy"), (dist, "init"), (run, "make_env"), (loop, "EnvPool")):
         monkeypatch.setattr(module, name, loaded)
     with pytest.raises(SystemExit) as e:
         loop.main(["--env", "toy", flag, value])
-    assert str(e.value) == f"loop.py: {flag} must be {bound} (got {parsed})"
+    assert str(e.value) == f"loop.py: {flag} {parsed}: must be {bound}"
 
 
 def test_preset_respects_every_spelling_argparse_accepts_and_abbreviations_are_refused(capsys):
     argv = ["--env=appworld", "--max-turns=5", "--no-gradient-checkpointing", "--lr", "1e-3"]
-    args = loop.apply_preset(loop.cli.parse_args(loop.Args, argv), argv)
+    args = run.parse(loop.Args, argv, loop.PRESETS)
     assert (args.max_turns, args.gradient_checkpointing, args.lr) == (5, False, 1e-3)  # given: kept
     assert (args.group_size, args.max_new_tokens) == (6, 1500)  # not given: the preset's
     with pytest.raises(SystemExit):  # `--group 4` is not `--group-size 4`
@@ -491,7 +509,7 @@ def test_a_missing_environment_fails_in_one_line_before_the_model_loads(monkeypa
     register("needs-a-package", needs_a_package)
     with pytest.raises(SystemExit) as e:
         loop.main(["--env", "needs-a-package"])
-    assert str(e.value) == ("loop.py: --env needs-a-package: FancyEnv is not installed; set it up with: "
+    assert str(e.value) == ("loop.py: --env 'needs-a-package': FancyEnv is not installed; set it up with: "
                             "pip install fancy-env")
 
 
@@ -536,9 +554,8 @@ def test_model_with_two_eos_ids_trains_the_end_of_turn_token_it_sampled(tiny):
     assert eos == {0, 2} and tok.convert_ids_to_tokens([0, 2, 198]) == ["<|endoftext|>", "<|im_end|>", "Ċ"]
     assert loop.turn_pieces(tok, eos)["trained_end"] == [2]  # the template's own end token
     # turn 0: episode 0 stops with <|endoftext|>, episode 1 with <|im_end|>; turn 1 the other way round
-    eps = loop.collect_rollouts(StopGenerator([0, 2, 2, 0]), EnvPool("toy", 2), tok, [0], 2,
-                                loop.Args(max_new_tokens=2), temperature=1.0, max_turns=2, seed=0,
-                                eos_ids=eos)
+    eps = loop.rollout(StopGenerator([0, 2, 2, 0]), tok, EnvPool("toy", 2), [0], 2,
+                       loop.Args(max_new_tokens=2), temperature=1.0, max_turns=2, seed=0, eos_ids=eos)
     for ep, stops in zip(eps, ([0, 2], [2, 0]), strict=True):
         for turn, stop in enumerate(stops):
             where = [i for i, k in enumerate(ep.turn_ids) if k == turn]
@@ -582,8 +599,8 @@ def test_sequences_never_exceed_max_seq_len(tiny):
     truncated = 0
     for cap in range(prompt + 6, prompt + 80, 9):  # room for the first turn (4 tokens + "<|im_end|>\n")
         args = loop.Args(max_new_tokens=4, max_seq_len=cap)
-        eps = loop.collect_rollouts(gen, EnvPool("toy", 2, turns=4), tok, [0], 2, args, temperature=1.0,
-                                    max_turns=4, seed=cap, eos_ids={tok.eos_token_id})
+        eps = loop.rollout(gen, tok, EnvPool("toy", 2, turns=4), [0], 2, args, temperature=1.0, max_turns=4,
+                           seed=cap, eos_ids={tok.eos_token_id})
         for ep in eps:
             assert len(ep.ids) <= cap, (cap, len(ep.ids))
             assert ep.done and (ep.turns == 4 or ep.truncated)
@@ -597,9 +614,9 @@ def test_a_first_prompt_longer_than_max_seq_len_is_a_clear_error(tiny):
 
     model, tok = tiny
     with pytest.raises(SystemExit, match="--max-seq-len 40 leaves no room for one turn"):
-        loop.collect_rollouts(make_generator("hf", model, tok), EnvPool("toy", 1), tok, [0], 1,
-                              loop.Args(max_new_tokens=4, max_seq_len=40), temperature=1.0, max_turns=2,
-                              seed=0, eos_ids={tok.eos_token_id})
+        loop.rollout(make_generator("hf", model, tok), tok, EnvPool("toy", 1), [0], 1,
+                     loop.Args(max_new_tokens=4, max_seq_len=40), temperature=1.0, max_turns=2, seed=0,
+                     eos_ids={tok.eos_token_id})
 
 
 # ---------------------------------------------------------------- log-probs at the sampling temperature
@@ -629,14 +646,15 @@ def test_first_minibatch_ratio_is_one_at_a_temperature_other_than_one(tiny):
     loop.recompute_logprobs(model, rs, pad_id=0, micro=4, key="old_logp", temperature=0.7)
     args = loop.Args(epochs=1, minibatch_size=4, micro_batch_size=2, max_grad_norm=1e9, temperature=0.7)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    st = loop.loop_update(model, opt, rs, [1.0, -1.0, 0.5, -0.5], args, torch.Generator().manual_seed(0), 0)
+    st = loop.update(model, opt, rs, [1.0, -1.0, 0.5, -0.5], 0, args, torch.Generator().manual_seed(0))
     assert st["ratio_min"] == pytest.approx(1.0, abs=1e-5) and st["ratio_max"] == pytest.approx(1.0, abs=1e-5)
 
 
 @pytest.mark.parametrize(("flags", "says"), [
-    (["--env", "toy", "--env-options", "{turns: 2}"], "--env toy --env-options {turns: 2}: Expecting"),
+    (["--env", "toy", "--env-options", "{turns: 2}"], "--env 'toy' --env-options '{turns: 2}': Expecting"),
     (["--env", "toy", "--env-options", '{"colour": 1}'], "unexpected keyword argument 'colour'"),
-    (["--env", "no-such-env"], "loop.py: --env no-such-env: unknown environment 'no-such-env'; available:")])
+    (["--env", "no-such-env"], "loop.py: --env 'no-such-env': unknown environment 'no-such-env'; "
+                               "available:")])
 def test_bad_environment_flags_end_in_one_line_before_the_model_loads(flags, says, monkeypatch):
     from common import models
 

@@ -59,7 +59,7 @@ def train(shard: bool) -> tuple[list[list[torch.Tensor]], list[bool]]:
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
         loop.recompute_logprobs(model, kept, tokenizer.pad_token_id, ARGS.micro_batch_size, "old_logp")
         shuffle = torch.Generator().manual_seed(iteration)
-        stats = loop.loop_update(policy, optimizer, kept, kept_adv, ARGS, shuffle, tokenizer.pad_token_id)
+        stats = loop.update(policy, optimizer, kept, kept_adv, tokenizer.pad_token_id, ARGS, shuffle)
         assert stats["gradient_steps"] == {1: 4, 2: 2}[iteration], stats  # ceil(kept / 4) x 2 epochs
         params.append([p.detach().clone() for p in model.parameters()])
         agree.append(ranks_agree(params[-1]))
