@@ -18,21 +18,11 @@ generation continues. ARPO changes *where the sampling budget goes*:
 3. the hierarchical reward of the environment (format error -1, answer F1, +0.1 when both tools used)
    and a PPO-clip loss with dual clip, token-mean over the batch (the code; `--loss-agg`).
 
-Cold start (`--cold-start`, on by default): the paper starts RL from a model fine-tuned on Tool-Star's 54K
-tool-use demonstrations; the packaged SmolLM2-135M never writes the format (every reward -1, every
-advantage 0). So before RL we SFT it on a scripted expert's demonstrations of the offline `tools` training
-questions (`expert_demo`: the real sandbox/retriever output as the `<result>` blocks, masked as in RL).
-
-`--rollout global` turns 1 off (M independent trajectories: trajectory-level GRPO), so ARPO and GRPO
-differ by one flag at the same rollout budget.
-
-    python arpo.py                       # SmolLM2-135M on the offline `tools` tasks, CPU, ~15 min
-    python arpo.py --rollout global      # the GRPO baseline
-    python arpo.py --preset paper        # the paper's rollout settings (M=16, N=8, k=20, ...)
-    python arpo.py --env toy --model tiny-random --steps 10   # seconds: plumbing check
-    torchrun --nproc-per-node 8 arpo.py --backend vllm --model <SFT'd model>   # questions sharded over ranks
-
-docs/arpo.md has the equations beside these lines and the hyper-parameter table.
+`--rollout global` turns 1 off (M independent trajectories: GRPO at the same rollout budget). Before RL
+(`--cold-start`) the packaged SmolLM2-135M, which never writes the format, is fine-tuned on the `tools`
+environment's scripted expert, as the paper starts from a Tool-Star SFT model. `python arpo.py` (CPU, ~15
+min), `--preset paper` (M=16, N=8, k=20, ...), `--env toy --model tiny-random` (seconds); docs/arpo.md has
+the equations beside these lines and the hyper-parameter table.
 """
 
 from __future__ import annotations
@@ -40,112 +30,63 @@ from __future__ import annotations
 import copy
 import math
 import random
-import re
-import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
 
-from common import cli, dist
-from common.checkpoint import load_checkpoint, prepare_run_dir, save_checkpoint
-from common.cli import opt, parse_args
-from common.generation import HFGenerator, make_generator
+from common import cli, dist, models, run
+from common.cli import opt
 from common.logprobs import token_logprobs
-from common.metrics import MetricsLogger
-from common.models import load_policy, resolve_model_path
-from envs.base import make_env
-
-# ---------------------------------------------------------------------------------------------------
-# Arguments
+from common.run import RunArgs
 
 
 @dataclass
-class Args:
+class Args(RunArgs):
     """ARPO (Dong et al. 2025): entropy-based adaptive rollout for tool-using agents; docs/arpo.md."""
 
-    env: str = opt("environment", "tools", "environment (tools: offline python/search tasks)")
-    model: str = opt("model", "HuggingFaceTB/SmolLM2-135M-Instruct", "HF id or folder; default: the "
-                     "packaged SmolLM2-135M-Instruct")
-    backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine")
     preset: Literal["auto", "none", "cpu", "paper"] = opt(
-        "run", "auto", "settings filled into every flag not given (PRESETS). cpu: our small settings, the "
-        "defaults below; paper: M=16 N=8 k=20 beta=0.2 tau=0.5 Z=1, 5 tool calls, lr 1e-6, 128 "
-        "questions/step; auto: the preset named after --env (none is)")
+        "run", "auto", "settings filled into every flag not given: cpu, our defaults; paper, M=16 N=8 k=20 "
+        "Z=1, 5 tool calls, lr 1e-6, 128 questions/step; auto: the one named after --env (none is)")
+    env: str = "tools"  # offline python/search questions
+    max_turns: int = opt("environment", 1, "unused: ARPO writes one response per question; --max-tool-calls "
+                         "bounds its tool turns", ge=1)
+    steps: int = 8
+    max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demonstration
+    cold_start_episodes: int = 32
     rollout: Literal["arpo", "global"] = opt("algorithm", "arpo", "arpo: entropy-based adaptive rollout; "
                                              "global: M independent trajectories (GRPO)")
-    steps: int = opt("run", 8, "training iterations")
-    tasks_per_step: int = opt("rollout", 2, "questions per iteration (code: 128)")
-    group_size: int = opt("rollout", 4, "M: rollouts per question (paper: 16)")
-    initial_rollouts: int = opt("algorithm", 2, "N: rollouts started globally (paper: 8)")
-    branch_k: int = opt("algorithm", 20, "k: tokens whose entropy is the step entropy")
-    entropy: Literal["topk", "exact"] = opt("algorithm", "topk", "step-entropy estimator. topk (the "
-                                            "authors' code, on which beta and tau were tuned): per token "
-                                            "-sum p log p over the top-10 log-probs plus the sampled token, "
-                                            "summed over the first k tokens, / ln|V|; exact (ours): the "
-                                            "full-vocabulary entropy, a short segment scaled up to k")
+    initial_rollouts: int = opt("algorithm", 2, "N: rollouts started globally (paper: 8)", ge=1)
+    branch_k: int = opt("algorithm", 20, "k: tokens whose entropy is the step entropy", ge=1)
+    entropy: Literal["topk", "exact"] = opt(
+        "algorithm", "topk", "step entropy. topk (the authors' code; beta, tau tuned on it): -sum p log p "
+        "over the top-10 log-probs + the sampled token, summed over k tokens, / ln|V|; exact (ours): the "
+        "full-vocabulary entropy, a short segment scaled up to k")
     beta: float = opt("algorithm", 0.2, "beta: entropy weight in P = alpha + beta*dH")
     tau: float = opt("algorithm", 0.5, "tau: branch threshold (P > tau forks)")
-    fork_z: int = opt("algorithm", 1, "Z: partial rollouts forked when the rule fires")
-    max_tool_calls: int = opt("rollout", 3, "tool calls per rollout (code: 3-6, 5 said)")
-    stop_at_answer: bool = opt("rollout", True, "end the response at </answer> (ours: no tokens spent after "
-                               "the answer on the CPU; the code stops only at tool tags, so the response "
-                               "runs on to EOS, which is trained; --preset paper: off)")
+    fork_z: int = opt("algorithm", 1, "Z: partial rollouts forked when the rule fires", ge=0)
+    max_tool_calls: int = opt("rollout", 3, "tool calls per rollout (code: 3-6, 5 said)", ge=0)
+    stop_at_answer: bool = opt("rollout", True, "end the response at </answer> (ours; the code stops only at "
+                               "tool tags and trains the tokens up to EOS; --preset paper: off)")
     attribution: Literal["soft", "hard"] = opt("algorithm", "soft", "advantage attribution")
     loss_agg: Literal["auto", "token-mean", "seq-mean-token-mean"] = opt(
-        "algorithm", "auto", "loss aggregation. auto: token-mean with soft attribution (the authors' code), "
-        "seq-mean-token-mean with hard (the paper's objective, 1/|y_i| per response; hard has no public "
-        "code, and under a token mean it gives soft's gradient exactly)")
-    lr: float = opt("optimisation", 1e-5, "AdamW learning rate (code: 1e-6 at 7B+)")
-    weight_decay: float = opt("optimisation", 0.01, "AdamW weight decay (code: 0.01)")
-    lora_rank: int = opt("model", 0, "LoRA rank; 0 = full fine-tune")
-    lora_alpha: int = opt("model", 32, "LoRA alpha")
-    dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
-    minibatches: int = opt("optimisation", 1, "optimizer steps per iteration (code: 128/16=8)")
-    micro_batch_size: int = opt("optimisation", 4, "sequences per forward/backward")
-    gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (needed for "
-                                       "4096-token responses at 7B; docs/scaling.md)")
-    clip_low: float = opt("algorithm", 0.2, "PPO clip epsilon below 1")
-    clip_high: float = opt("algorithm", 0.2, "PPO clip epsilon above 1")
-    dual_clip: float = opt("algorithm", 3.0, "dual-clip c: bound of -A*ratio when A < 0")
-    kl_coef: float = opt("algorithm", 0.0, "KL(pi || ref) penalty (k3); 0 = off (code)")
-    max_grad_norm: float = opt("optimisation", 1.0, "gradient clipping (code: 1.0)")
-    temperature: float = opt("rollout", 1.0, "sampling temperature (code: 1.0)")
-    max_new_tokens: int = opt("rollout", 256, "response budget per rollout, <result> tokens included (code: "
-                              "4096; ours: with one passage per search every expert demonstration fits, the "
-                              "longest in 254)")
-    search_topk: int = opt("environment", 1, "passages per <search> result (ours: 1 on the CPU so that "
-                           "look-ups fit the budget; environment: 3)")
-    unsafe_python: bool = opt("environment", False, "ours: run the tools env's python even where the kernel "
-                              "gives its sandbox no isolation (no namespaces, Landlock or seccomp), with "
-                              "only a python audit hook and rlimits")
-    max_turns: int = opt("environment", 0, "unused: ARPO writes one response per question; --max-tool-calls "
-                         "bounds its tool turns")
-    eval_every: int = opt("run", 0, "greedy held-out eval every N steps (0: start/end)")
-    eval_tasks: int = opt("run", 8, "held-out questions per evaluation")
-    out: str = opt("run", "", "run folder: args.json, metrics.jsonl, checkpoints/ (default: a new "
-                   "runs/arpo-<time>; an existing one needs --resume)")
-    resume: bool = opt("run", False, "continue from the last checkpoint in --out")
-    report_to: Literal["none", "tensorboard", "wandb"] = opt(
-        "run", "none", "also log to TensorBoard (<out>/tensorboard) or Weights & Biases (pip install wandb)")
-    save_every: int = opt("run", 4, "checkpoint every N steps")
-    seed: int = opt("run", 0, "seed for everything")
-    parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
-        "torchrun", "auto", "under torchrun: auto = DDP for LoRA / small models, FSDP2 for full fine-tuning "
-        "over 1B params (FSDP2 needs --backend vllm)")
-    dry_run: bool = opt("torchrun", False, "print the per-rank memory plan for --model and the world size "
-                        "(no weights loaded); exit")
-    threads: int = opt("run", 0, "torch CPU threads (0: torch's default); 1 is much faster on a CPU shared "
-                       "with other jobs")
-    cold_start: bool = opt("cold start", True, "SFT on a scripted expert's demonstrations before RL (the "
-                           "paper: Tool-Star SFT); offline `tools` tasks only, skipped elsewhere")
-    cold_start_episodes: int = opt("cold start", 32, "training questions demonstrated")
-    cold_start_epochs: int = opt("cold start", 1, "SFT epochs over the demonstrations")
-    cold_start_lr: float = opt("cold start", 1e-4, "SFT learning rate (AdamW)")
+        "algorithm", "auto", "auto: token-mean with soft attribution (the code), seq-mean-token-mean with "
+        "hard (the paper's 1/|y_i|; under a token mean hard gives soft's gradient exactly)")
+    minibatches: int = opt("optimisation", 1, "optimizer steps per iteration (code: 128/16=8)", ge=1)
+    clip_low: float = opt("algorithm", 0.2, "PPO clip epsilon below 1", ge=0, lt=1,
+                          why="the ratio's lower bound 1 - eps must stay positive")
+    clip_high: float = opt("algorithm", 0.2, "PPO clip epsilon above 1", ge=0)
+    dual_clip: float = opt("algorithm", 3.0, "dual-clip c: bound of -A*ratio when A < 0", gt=1,
+                           why="as verl asserts")
+    search_topk: int = opt("environment", 1, "passages per <search> result (ours: 1, so that look-ups fit "
+                           "the budget; environment: 3)", ge=1)
+    unsafe_python: bool = opt("environment", False, "run the tools env's python where the kernel gives its "
+                              "sandbox no isolation, with only a python audit hook and rlimits")
     max_minutes: float = opt("run", 14.0, "stop training early when the next step and the final eval would "
-                             "overrun (0 = off)")
+                             "overrun (0 = off)", ge=0)
 
 
 # --preset: cpu is our defaults; paper, the paper's rollout settings (official scripts, 7B/8B), one flag away.
@@ -157,12 +98,17 @@ PRESETS: dict[str, dict] = {
                   gradient_checkpointing=True, stop_at_answer=False),  # bring the SFT'd model with --model
 }
 
+
+def check_args(args: Args) -> None:
+    """The rule between flags (each flag's own bounds are declared with it)."""
+    if args.initial_rollouts > args.group_size:
+        raise cli.bad_flag("arpo.py", "initial_rollouts", args.initial_rollouts,
+                           f"must be <= --group-size ({args.group_size}): N of the M rollouts start globally")
+
+
 TOOL_TAGS = ("python", "search")
 TOOL_STOPS = [f"</{tag}>" for tag in TOOL_TAGS]  # generation pauses at each closing tool tag (the code)
 STOP_STRINGS = TOOL_STOPS + ["</answer>"]  # and with --stop-at-answer (ours) stops for good after the answer
-
-# ---------------------------------------------------------------------------------------------------
-# 1. Entropy-based adaptive rollout
 
 
 ENTROPY_TOPK = 10  # the authors' code asks vLLM for 10 log-probs per token (it adds the sampled one)
@@ -294,10 +240,6 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
                     r.done, r.finish = True, "length"
 
 
-# ---------------------------------------------------------------------------------------------------
-# 2. Advantage attribution
-
-
 def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """A_i = (r_i - mean(r)) / (std(r) + eps) within one question's M rollouts (unbiased std, as verl)."""
     r = torch.tensor(rewards, dtype=torch.float64)
@@ -359,10 +301,6 @@ def batch_advantages(rollouts: list[Rollout], rewards: list[float], attribution:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# 3. Loss: PPO clip with dual clip, token-mean (the code) or per-response mean (the paper) over the batch
-
-
 def ppo_dual_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                        num_tokens: float, clip_low: float, clip_high: float, dual_clip: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,10 +340,6 @@ def resolve_loss_agg(args: Args) -> str:
     return "seq-mean-token-mean" if args.attribution == "hard" else "token-mean"
 
 
-# ---------------------------------------------------------------------------------------------------
-# Environment: the question, the tools, the reward
-
-
 def build_prompt(tokenizer, question: str, info: dict) -> list[int]:
     """The chat the environment asks for (tools: its system prompt with the tool format + the question)."""
     messages = info.get("messages") or [{"role": "user", "content": question}]
@@ -434,12 +368,8 @@ def score_response(env, task, response: str) -> tuple[float, dict]:
     return float(reward), info
 
 
-# ---------------------------------------------------------------------------------------------------
-# Rollout on the real generator
-
-
-def rollout_questions(prompts: list[list[int]], env, generator, tokenizer, args: Args, rng: random.Random,
-                      *, greedy: bool = False) -> list[Rollout]:
+def rollout(generator, tokenizer, env, prompts: list[list[int]], args: Args, rng: random.Random, *,
+            greedy: bool = False) -> list[Rollout]:
     """ARPO (or global) rollouts for a batch of prompts (one per question): every finished rollout."""
     eos = tokenizer.eos_token_id
     top_k = ENTROPY_TOPK if args.entropy == "topk" else 0  # log-probs per token the estimator reads
@@ -467,8 +397,8 @@ def rollout_questions(prompts: list[list[int]], env, generator, tokenizer, args:
                                                                strict=True)]
         return segments
 
-    def run_tool(rollout: Rollout, tag: str) -> list[int] | None:
-        content = last_tool_call(tokenizer.decode(rollout.response_ids, skip_special_tokens=True), tag)
+    def run_tool(r: Rollout, tag: str) -> list[int] | None:
+        content = last_tool_call(tokenizer.decode(r.response_ids, skip_special_tokens=True), tag)
         if not content:  # `<python></python>`, or a closing tag without its opening one
             return None
         output = execute_tool(env, tag, content)
@@ -478,10 +408,10 @@ def rollout_questions(prompts: list[list[int]], env, generator, tokenizer, args:
     if args.rollout == "global":
         n, z = m, 0  # trajectory-level sampling: M independent rollouts, no forks (GRPO)
     return adaptive_rollout(len(prompts), group_size=m, initial_rollouts=n, fork_z=z, k=args.branch_k,
-                                beta=args.beta, tau=args.tau, max_tool_calls=args.max_tool_calls,
-                                max_new_tokens=args.max_new_tokens, vocab_size=len(tokenizer),
-                                generate_segments=generate_segments, run_tool=run_tool, rng=rng,
-                                entropy=args.entropy)
+                            beta=args.beta, tau=args.tau, max_tool_calls=args.max_tool_calls,
+                            max_new_tokens=args.max_new_tokens, vocab_size=len(tokenizer),
+                            generate_segments=generate_segments, run_tool=run_tool, rng=rng,
+                            entropy=args.entropy)
 
 
 def score_rollouts(env, tasks: list, rollouts: list[Rollout], tokenizer) -> tuple[list[float], list[dict]]:
@@ -494,8 +424,11 @@ def score_rollouts(env, tasks: list, rollouts: list[Rollout], tokenizer) -> tupl
     return rewards, infos
 
 
-# ---------------------------------------------------------------------------------------------------
-# Update
+def step_rng(seed: int, step: int) -> random.Random:
+    """The sampling randomness of one training step (rollout seeds, fork draws, mini-batch order): from the
+    rank's seed and the step alone, so ranks sample different rollouts and a resume, on any number of
+    ranks, continues exactly."""
+    return random.Random(f"{dist.rank_seed(seed)}:{step}")
 
 
 def build_batch(prompts: list[list[int]], rollouts: list[Rollout], advantages: list[list[float]],
@@ -532,24 +465,18 @@ def sequence_logprobs(model, batch: dict, rows, temperature: float) -> torch.Ten
                           temperature=temperature)
 
 
-def padded_microbatches(rows: list[int], size: int) -> list[tuple[list[int], float]]:
-    """(rows, weight) micro-batches of `size`, as many on every rank: under torchrun each backward is a
-    collective (DDP's gradient all-reduce), so a rank with fewer micro-batches runs zero-weight ones (row 0,
-    loss * 0). One process: the plain micro-batches, weight 1."""
-    micro = [rows[i:i + size] for i in range(0, len(rows), size)]
-    n = dist.all_reduce(len(micro), "max")
-    return [(m, 1.0) for m in micro] + [([0], 0.0)] * (n - len(micro))
-
-
-def ppo_update(policy, ref_model, optimizer, batch: dict, args: Args, rng: random.Random) -> dict:
-    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16).
+def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, reference=None) -> dict:
+    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16). With
+    --kl-coef the k3 KL to the initial policy joins the loss: `reference`, or with LoRA (None) the base
+    model, adapter off.
 
     Under torchrun `batch` holds this rank's questions and `policy` is the DDP-wrapped model: a mini-batch
     is this rank's share of the global one, the token-mean divides by the global policy-token count, and
     the loss is multiplied by `dist.grad_scale()` because DDP averages gradients over ranks; so one
-    optimizer step is the same update on 1, 2 or 8 ranks."""
-    b = batch["input_ids"].shape[0]
-    size = args.micro_batch_size
+    optimizer step is the same update on 1, 2 or 8 ranks. Every rank runs as many micro-batches
+    (`dist.same_count`: the padding ones re-read row 0 with weight 0)."""
+    b, size, kl_on = batch["input_ids"].shape[0], args.micro_batch_size, args.kl_coef > 0
+    micro = lambda rows: dist.same_count([rows[i:i + size] for i in range(0, len(rows), size)], [0])
     # pi_old: the policy that sampled the batch, recomputed under the training model as verl does. With one
     # optimizer step per batch the policy is still pi_old during the update, so logp.detach() is the same
     # number and the extra forward pass is skipped.
@@ -557,24 +484,27 @@ def ppo_update(policy, ref_model, optimizer, batch: dict, args: Args, rng: rando
     with torch.no_grad():
         batch["old_logp"] = torch.zeros_like(batch["adv"])
         batch["ref_logp"] = torch.zeros_like(batch["adv"])
-        for rows, _ in padded_microbatches(list(range(b)), size) if recompute or ref_model else []:
+        for rows, _ in micro(list(range(b))) if recompute or kl_on else []:
             if recompute:
                 lp = sequence_logprobs(policy, batch, rows, args.temperature)  # (b, t-1)
                 batch["old_logp"][rows, :lp.shape[1]] = lp
-            if ref_model is not None:
-                lp = sequence_logprobs(ref_model, batch, rows, args.temperature)
+            if kl_on:  # pi_ref: the initial policy, frozen; with LoRA the base model, adapter off
+                ref = policy if reference is None else reference
+                with nullcontext() if reference is not None else models.unwrap(policy).disable_adapter():
+                    lp = sequence_logprobs(ref, batch, rows, args.temperature)
                 batch["ref_logp"][rows, :lp.shape[1]] = lp
     order = list(range(b))
     rng.shuffle(order)
     stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "grad_norm": 0.0}
     token_weight, units = loss_weights(batch["loss_mask"], resolve_loss_agg(args))  # (B, T-1), (B,)
+    policy.train()
     for rows_mb in np.array_split(order, args.minibatches):  # exactly `minibatches` on every rank
         rows_mb = rows_mb.tolist()
         # weighted mean over the (global) mini-batch: every rank divides by the same count (tokens/responses)
         num_tokens = max(1.0, dist.all_reduce(units[rows_mb].sum().item()))
-        for rows, weight in padded_microbatches(rows_mb, size):
+        for rows, weight in micro(rows_mb):
             # all-zero advantages (e.g. every rollout -1) give exactly zero gradient: skipped, jointly
-            active = weight > 0 and (ref_model is not None or bool(batch["adv"][rows].any()))
+            active = weight > 0 and (kl_on or bool(batch["adv"][rows].any()))
             if not dist.all_reduce(int(active), "max"):
                 continue
             logp = sequence_logprobs(policy, batch, rows, args.temperature)  # (b, t-1)
@@ -583,7 +513,7 @@ def ppo_update(policy, ref_model, optimizer, batch: dict, args: Args, rng: rando
             old_logp = batch["old_logp"][rows, :t] if recompute else logp.detach()
             loss, clipped = ppo_dual_clip_loss(logp, old_logp, adv, mask, num_tokens,
                                                args.clip_low, args.clip_high, args.dual_clip)
-            if ref_model is not None:  # k3 estimator of KL(pi || ref), aggregated as the loss
+            if kl_on:  # k3 estimator of KL(pi || ref), aggregated as the loss
                 log_r = batch["ref_logp"][rows, :t] - logp
                 kl = ((torch.exp(log_r) - log_r - 1) * mask).sum() / num_tokens
                 loss = loss + args.kl_coef * kl
@@ -595,62 +525,17 @@ def ppo_update(policy, ref_model, optimizer, batch: dict, args: Args, rng: rando
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         stats["grad_norm"] += float(grad_norm)
+    policy.eval()
     total = max(1.0, dist.all_reduce(batch["loss_mask"].sum().item()))
     loss, clipped, kl = (dist.all_reduce(stats[k]) for k in ("loss", "clipped", "kl"))  # sums of shares
     return {"loss": loss / args.minibatches, "clip_fraction": clipped / total,
             "kl": kl / args.minibatches, "grad_norm": stats["grad_norm"] / args.minibatches}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Cold start: SFT on a scripted expert's demonstrations (the paper starts RL from a Tool-Star SFT model)
-
-CITY_FACTS = r"{} is a city in \w+\. It was founded in (\d+) and has a population of (\d+)\."
-
-
-def expert_demo(env, question: str) -> list[tuple[str, int]] | None:
-    """A scripted expert's response to one offline `tools` question (envs/qa_data.py `tool_question`), as
-    (text, policy) segments: 1 = written by the expert, 0 = a `<result>` block the environment's own
-    sandbox or retriever produced. Numbers come from the question or from the retrieved passage, never
-    from the ground truth. None for a question it cannot read, or a look-up whose passage was not found."""
-    def call(tag: str, content: str, why: str) -> list[tuple[str, int]]:
-        output = execute_tool(env, tag, content)
-        return [(f"<think>{why}</think>\n<{tag}>{content}</{tag}>", 1),
-                (f" <result>\n{output}\n</result>", 0)]
-
-    def answer(value: str) -> tuple[str, int]:
-        return f"\n<think>The answer is {value}.</think>\n<answer>\\boxed{{{value}}}</answer>", 1
-
-    def city(name: str) -> tuple[list[tuple[str, int]], re.Match | None]:
-        segs = call("search", f"{name} city population founded", f"I need to look up the city of {name}.")
-        return segs, re.search(CITY_FACTS.format(re.escape(name)), segs[1][0])
-
-    if m := re.fullmatch(r"What is (\d+) \* (\d+) - (\d+)\?", question):
-        code = f"print({m[1]} * {m[2]} - {m[3]})"
-    elif m := re.search(r"holds (\d+) crates with (\d+) boxes.* (\d+) boxes are shipped.*sold for (\d+) "
-                        r"dollars", question):
-        code = f"print(({m[1]} * {m[2]} - {m[3]}) * {m[4]})"
-    elif m := re.fullmatch(r"What is the population of the city of (\w+)\?", question):
-        segs, facts = city(m[1])
-        return segs + [answer(facts[2])] if facts else None
-    elif m := re.fullmatch(r"How many years apart were the cities of (\w+) and (\w+) founded\?|What is the "
-                           r"combined population of the cities of (\w+) and (\w+)\?", question):
-        years = m[1] is not None
-        (segs_x, x), (segs_y, y) = city(m[1] or m[3]), city(m[2] or m[4])
-        if not (x and y):
-            return None
-        code = f"print(abs({x[1]} - {y[1]}))" if years else f"print({x[2]} + {y[2]})"
-        segs = segs_x + segs_y + call("python", code, "Now compute it.")
-        return segs + [answer(segs[-1][0].split("\n")[1].strip())]
-    else:
-        return None
-    segs = call("python", code, "The numbers are large, so I compute with python.")
-    return segs + [answer(segs[-1][0].split("\n")[1].strip())]
-
-
-def demo_rollout(tokenizer, segments: list[tuple[str, int]]) -> Rollout:
+def demo_rollout(tokenizer, segments: list[tuple[str, int]], question: int = 0) -> Rollout:
     """The demonstration as a Rollout: segments tokenized one by one, as the rollout concatenates them, and
     `policy_mask` 0 on the result tokens -- so `build_batch` masks them exactly as in the RL loss."""
-    r = Rollout(0)
+    r = Rollout(question)
     for text, policy in segments:
         ids = tokenizer.encode(text, add_special_tokens=False)
         r.response_ids += ids
@@ -658,44 +543,46 @@ def demo_rollout(tokenizer, segments: list[tuple[str, int]]) -> Rollout:
     return r
 
 
-def cold_start_sft(policy, tokenizer, prompts: list[list[int]], demos: list[Rollout], args: Args,
-                   rng: random.Random) -> float:
-    """SFT: token-mean NLL of the expert's tokens (result tokens masked), AdamW, `--cold-start-epochs`
-    passes in micro-batches of `--micro-batch-size`. Returns the last epoch's mean loss.
+def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
+    """SFT on the environment's scripted expert (the paper starts RL from a Tool-Star SFT model): the NLL of
+    the expert's tokens in its correct demonstrations of `--cold-start-episodes` training questions that fit
+    the response budget (the policy could never finish a longer one). Returns {}: nothing to log."""
+    t0, rng = time.time(), random.Random(args.seed)
+    if not hasattr(env, "expert_demo"):
+        run.say(f"[cold start] skipped: no scripted expert for the {args.env!r} environment")
+        return {}
+    prompts, demos = [], []
+    for task in rng.sample(train_tasks, min(args.cold_start_episodes, len(train_tasks))):
+        question, info = env.reset(task)
+        if (segments := env.expert_demo(question)) is None:
+            continue
+        demo = demo_rollout(r.tokenizer, segments, question=len(demos))
+        _, info = score_response(env, task, "".join(text for text, _ in segments))
+        if info.get("won") and len(demo.response_ids) <= args.max_new_tokens:
+            prompts.append(build_prompt(r.tokenizer, question, info))
+            demos.append(demo)
+    if not demos:
+        run.say("[cold start] skipped: the expert could not demonstrate any of these tasks")
+        return {}
+    unused = [[0.0] * len(d.response_ids) for d in demos]  # SFT reads no advantage
+    batch = build_batch(prompts, demos, unused, r.tokenizer.pad_token_id, device=r.device)  # all of them
 
-    Under torchrun every rank holds the same demonstrations in the same order (same seed) and takes its
-    share of each micro-batch (`dist.shard`); the NLL divides by the micro-batch's global token count, so an
-    optimizer step is the one a single process takes."""
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.cold_start_lr,
-                                  weight_decay=args.weight_decay)
-    policy.train()
-    losses: list[float] = []
-    for _ in range(args.cold_start_epochs):
-        order = list(range(len(demos)))
+    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # the expert's tokens, results masked
+        logp = sequence_logprobs(r.policy, batch, rows, 1.0)  # (b, t-1)
+        mask = batch["loss_mask"][rows, :logp.shape[1]]
+        return (logp * mask).sum(), mask.sum().item()
+
+    def permute(n: int) -> list[int]:  # each epoch's order, from the stream that chose the questions
+        order = list(range(n))
         rng.shuffle(order)
-        losses = []
-        for i in range(0, len(order), args.micro_batch_size):
-            rows = dist.shard(order[i:i + args.micro_batch_size])
-            weight = 1.0 if rows else 0.0  # a rank left without a row: a zero-weight pass (DDP waits for it)
-            rows = rows or order[i:i + 1]
-            demo = [copy.copy(demos[j]) for j in rows]
-            for q, d in enumerate(demo):
-                d.question = q
-            batch = build_batch([prompts[j] for j in rows], demo, [[1.0] * len(d.response_ids) for d in demo],
-                                pad_id=tokenizer.pad_token_id, device=next(policy.parameters()).device)
-            logp = sequence_logprobs(policy, batch, list(range(len(rows))), 1.0)  # (b, t-1)
-            mask = batch["loss_mask"][:, :logp.shape[1]] * weight
-            loss = -(logp * mask).sum() / max(1.0, dist.all_reduce(mask.sum().item()))
-            (loss * dist.grad_scale()).backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(dist.all_reduce(loss.item()))
-    return float(np.mean(losses)) if losses else float("nan")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Metrics and evaluation
+        return order
+    loss = run.sft(r.policy, len(demos), log_likelihood, lr=args.cold_start_lr, epochs=args.cold_start_epochs,
+                   weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                   micro_batch_size=args.micro_batch_size, permute=permute)
+    r.generator.update_weights(r.model)
+    run.say(f"[cold start] SFT on {len(demos)} expert demonstrations, {args.cold_start_epochs} epochs: "
+            f"last-epoch loss {loss:.3f} ({time.time() - t0:.0f}s)")
+    return {}
 
 
 def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[dict], num_questions: int
@@ -731,249 +618,94 @@ def gather_rollouts(rollouts: list[Rollout], rewards: list[float], infos: list[d
             [i for p in parts for i in p[2]])
 
 
-def evaluate(tasks: list, env, generator, tokenizer, args: Args, rng: random.Random) -> dict:
-    """Greedy, one rollout per held-out question (no forks). Under torchrun rank 0 evaluates and the
-    others wait for its result."""
-    result = None
-    if dist.is_main():
-        prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
-        rollouts = rollout_questions(prompts, env, generator, tokenizer, args, rng, greedy=True)
-        rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
-        m = rollout_metrics(rollouts, rewards, infos, len(tasks))
-        result = {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
-                  "eval/format_error_rate": m["format_error_rate"],
-                  "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
-    return dist.broadcast_object(result)
+def evaluate(generator, tokenizer, env, tasks: list, args: Args) -> dict:
+    """Greedy, one rollout per held-out question (no forks): the "eval/..." metrics."""
+    prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
+    rollouts = rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed), greedy=True)
+    m = rollout_metrics(rollouts, *score_rollouts(env, tasks, rollouts, tokenizer), len(tasks))
+    return {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
+            "eval/format_error_rate": m["format_error_rate"],
+            "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
 
 
-def say(*text) -> None:
-    """print, on rank 0 only."""
-    if dist.is_main():
-        print(*text, flush=True)
-
-
-def report(stage: str, result: dict) -> dict:
-    say(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
-        f"reward {result['eval/reward_mean']:.3f}  format errors {result['eval/format_error_rate']:.2f}  "
-        f"tool calls {result['eval/tool_calls_per_question']:.2f}")
-    return result
-
-
-def run_cold_start(policy, tokenizer, env, train_tasks: list, args: Args, rng: random.Random) -> None:
-    """Demonstrate `--cold-start-episodes` training questions with the scripted expert, keep the correct
-    ones that fit the response budget (the policy could never finish a longer one), and SFT on them."""
-    t0 = time.time()
-    if not hasattr(env, "execute_tool"):
-        say(f"[cold start] skipped: no scripted expert for the {args.env!r} environment")
-        return
-    prompts, demos = [], []
-    for task in rng.sample(train_tasks, min(args.cold_start_episodes, len(train_tasks))):
-        question, info = env.reset(task)
-        segments = expert_demo(env, question)
-        if segments is None:
-            continue
-        demo = demo_rollout(tokenizer, segments)
-        reward, info = score_response(env, task, "".join(text for text, _ in segments))
-        if info.get("won") and len(demo.response_ids) <= args.max_new_tokens:
-            prompts.append(build_prompt(tokenizer, question, info))
-            demos.append(demo)
-    if not demos:
-        say("[cold start] skipped: the expert could not demonstrate any of these tasks")
-        return
-    loss = cold_start_sft(policy, tokenizer, prompts, demos, args, rng)
-    say(f"[cold start] SFT on {len(demos)} expert demonstrations, {args.cold_start_epochs} epochs: "
-        f"last-epoch loss {loss:.3f} ({time.time() - t0:.0f}s)")
-
-
-# ---------------------------------------------------------------------------------------------------
-# main
-
-
-def apply_preset(args: Args, argv: list[str]) -> Args:
-    """Fill PRESETS[--preset] into every field argv does not set (auto: none, no preset is named after an
-    environment)."""
-    return cli.apply_preset(args, argv, PRESETS)
-
-
-# Lowest value each numeric flag accepts: at or above (>=), or strictly above (>); NaN fails both.
-AT_LEAST = dict(steps=1, tasks_per_step=1, group_size=1, branch_k=1, fork_z=0, max_tool_calls=0,
-                minibatches=1, micro_batch_size=1, max_new_tokens=1, search_topk=1, eval_every=0,
-                eval_tasks=1, save_every=1, lora_rank=0, threads=0, cold_start_episodes=1,
-                cold_start_epochs=1, max_minutes=0, lr=0, weight_decay=0, cold_start_lr=0, kl_coef=0,
-                clip_low=0, clip_high=0, max_turns=0)
-ABOVE = dict(temperature=0, max_grad_norm=0, dual_clip=1, lora_alpha=0)  # dual clip: c > 1, as verl asserts
-
-
-def check_args(args: Args) -> None:
-    """A value that makes no sense ends the run with one line naming the flag, before anything loads."""
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-    for name, low in AT_LEAST.items():
-        if not getattr(args, name) >= low:
-            sys.exit(f"arpo.py: {flag(name)} must be >= {low} (got {getattr(args, name)})")
-    for name, low in ABOVE.items():
-        if not getattr(args, name) > low:
-            sys.exit(f"arpo.py: {flag(name)} must be > {low} (got {getattr(args, name)})")
-    if not args.clip_low < 1:  # the ratio's lower bound 1 - eps must stay positive
-        sys.exit(f"arpo.py: --clip-low must be < 1 (got {args.clip_low})")
-    if not args.initial_rollouts <= args.group_size or args.initial_rollouts < 1:
-        sys.exit(f"arpo.py: need 1 <= --initial-rollouts ({args.initial_rollouts}) <= --group-size "
-                 f"({args.group_size})")
-
-
-def env_options(args: Args) -> dict:
-    # ARPO answers in one response; the toy game (tests only) is then played in one turn.
-    options = {"turns": 1} if args.env == "toy" else {}
+def build_envs(args: Args) -> tuple:
+    """The environment (one: ARPO scores whole responses) and its train / held-out tasks."""
+    options = {"turns": 1} if args.env == "toy" else {}  # one response per question: the toy game in one turn
     if args.env in ("tools", "search"):  # the envs with a retriever
         options["topk"] = args.search_topk
     if args.env == "tools" and args.unsafe_python:
         options["unsafe_python"] = True
-    return options
+    env, _, train_tasks, eval_tasks = run.make_env(args, **options)  # --env-options win over these
+    return env, train_tasks, eval_tasks
 
 
-def build_env(args: Args) -> tuple:
-    """The environment and its train / held-out tasks. An environment without a seed (alfworld: its games
-    are fixed files) is built without one; a missing optional package or data set ends in the
-    environment's own message, which names the install command."""
-    try:
-        try:
-            env = make_env(args.env, seed=args.seed, **env_options(args))
-        except TypeError as e:
-            if "'seed'" not in str(e):
-                raise
-            env = make_env(args.env, **env_options(args))
-        return env, env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
-    except (ValueError, TypeError, ImportError, RuntimeError, OSError) as e:
-        sys.exit(f"arpo.py: --env {args.env}: {e}")
-
-
-def step_rng(seed: int, step: int) -> random.Random:
-    """The sampling randomness of one training step (rollout seeds, fork draws, mini-batch order): from the
-    rank's seed and the step alone, so ranks sample different rollouts and a resume, on any number of
-    ranks, continues exactly."""
-    return random.Random(f"{dist.rank_seed(seed)}:{step}")
+def summary(extra: dict, n_questions: int) -> dict:
+    """Print each stage's held-out success / reward; return them (eval_before, reward_before, ...)."""
+    stages = {s: extra[s] for s in run.STAGES if s in extra}  # a resumed run: from its checkpoint
+    run.say(f"held-out ({n_questions} questions, greedy) success / reward: " + " -> ".join(
+        f"{s.replace('_', ' ')} {m['eval/success_rate']:.3f} / {m['eval/reward_mean']:.3f}"
+        for s, m in stages.items()))
+    names = {"base": "before", "cold_start": "cold_start", "rl": "after"}
+    return {f"{k}_{names[s]}": m[f"eval/{v}"] for s, m in stages.items()
+            for k, v in (("eval", "success_rate"), ("reward", "reward_mean"))}
 
 
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
-    t0 = time.time()
-    argv = sys.argv[1:] if argv is None else argv
-    args = apply_preset(parse_args(Args, argv), argv)
-    check_args(args)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = dist.init()
-    if args.dry_run:  # memory plan per rank from the model's shape alone
-        from common.plan import print_plan
-        if dist.is_main():
-            # a sequence: the question prompt (the tools prompts: 115-152 tokens) + the whole response
-            seq = 256 + args.max_new_tokens
-            try:
-                print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq,
-                           micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
-                           dtype=args.dtype,
-                           gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
-                           vllm_dtype="bfloat16")  # the engine decodes in bf16 on GPU and sleeps in training
-            except ValueError as e:  # a model whose shape is not known offline
-                sys.exit(f"arpo.py: {e}")
-        dist.cleanup()
-        return {}
-    random.seed(args.seed)  # the plain seed: identical model init and cold start on every rank
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    args.out = prepare_run_dir("arpo.py", args)  # writes args.json; before the model loads
-
-    env, train_tasks, eval_tasks = build_env(args)  # before the model: a missing environment costs no load
-    try:
-        model, tokenizer = load_policy(args.model, dtype=args.dtype, lora_rank=args.lora_rank,
-                                       lora_alpha=args.lora_alpha, device=device,
-                                       gradient_checkpointing=args.gradient_checkpointing)
-    except ValueError as e:  # model not found offline, bad name: one clear message
-        sys.exit(f"arpo.py: {e}")
-    ref_model = None
-    if args.kl_coef > 0:  # reference policy for the optional KL term (the code runs with it off)
-        ref_model, _ = load_policy(args.model, dtype=args.dtype, device=device)
-        ref_model.eval().requires_grad_(False)
-    generator = make_generator(args.backend, model, tokenizer, resolve_model_path(args.model))
-    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
-            and isinstance(generator, HFGenerator):
-        # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
-        sys.exit("arpo.py: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights would "
-                 "deadlock); use --parallel ddp or --lora-rank > 0")
-    # training forward/backward through DDP (gradients averaged over ranks); generation uses `model`
-    policy = dist.wrap(model, args.parallel)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
-    start_step, state = 0, None
-    if args.resume:
-        state = load_checkpoint(args.out, model, optimizer)  # every rank reads it
-        if state is not None:
-            start_step = state["step"]
-            generator.update_weights(model)
-
-    logger = MetricsLogger(args.out, args.steps, desc=f"arpo[{args.rollout}]",
-                           initial_step=start_step if state else None, report_to=args.report_to,
-                           config=vars(args), enabled=dist.is_main())
-    eval_rng = random.Random(args.seed)  # greedy: only the (unused) sampling seeds come from it
-    final: dict = {}
-    t_eval = time.time()
-    if start_step == 0:
-        first = report("base", evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng))
-        logger.log({"step": 0, **first})
-        final["eval_before"], final["reward_before"] = first["eval/success_rate"], first["eval/reward_mean"]
-    t_eval = time.time() - t_eval
-    if start_step == 0 and args.cold_start:
-        run_cold_start(policy, tokenizer, env, train_tasks, args, random.Random(args.seed))
-        generator.update_weights(model)
-        cold = report("cold start", evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng))
-        logger.log({"step": 0, **{k.replace("eval/", "eval_cold_start/"): v for k, v in cold.items()}})
-        final["eval_cold_start"] = cold["eval/success_rate"]
-        final["reward_cold_start"] = cold["eval/reward_mean"]
-    step_times: list[float] = []
-    t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
-    for step in range(start_step + 1, args.steps + 1):
-        t_step = time.time()
-        rng = step_rng(args.seed, step)
-        # the step's global question list, the same on every rank; each rank rolls out whole questions
-        tasks = [train_tasks[((step - 1) * args.tasks_per_step + i) % len(train_tasks)]
-                 for i in range(args.tasks_per_step)]
-        tasks = dist.shard(tasks)
-        prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
-        rollouts = rollout_questions(prompts, env, generator, tokenizer, args, rng)
-        generator.sleep()  # vLLM on GPU: free its weights and KV cache for training; update_weights wakes it
-        rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
-        advantages = batch_advantages(rollouts, rewards, args.attribution)  # per question: rank-local
-        batch = build_batch(prompts, rollouts, advantages, tokenizer.pad_token_id, device=device)
-        policy.train()
-        update = ppo_update(policy, ref_model, optimizer, batch, args, rng)
-        generator.update_weights(model)  # the next rollouts sample from the new policy
+    t_start = time.time()
+    args = run.parse(Args, argv, PRESETS, check_args)
+    if args.dry_run:  # a sequence: the question prompt (the tools prompts: 115-152 tokens) + the response
+        return run.dry_run(args, seq_len=256 + args.max_new_tokens)
+    env, train_tasks, eval_tasks = build_envs(args)  # before the model: errors cost no load
+    r = run.setup(args, desc=f"arpo[{args.rollout}]")
+    held_out = lambda: run.on_main(lambda: evaluate(r.generator, r.tokenizer, env, eval_tasks, args))
+    t_eval = 0.0  # an evaluation's time, for --max-minutes
+    if r.start_step == 0:  # a resumed run has done these: r.extra holds their results
+        t_eval, r.extra["base"] = time.time(), held_out()
+        t_eval = time.time() - t_eval
+        r.logger.log({"step": 0, **r.extra["base"]})
+        if args.cold_start:
+            log = cold_start(r, env, train_tasks, args)
+            r.extra["cold_start"] = held_out()
+            r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
+                                              for k, v in r.extra["cold_start"].items()}})
+    line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL started (or resumed)
+    for step in range(r.start_step + 1, args.steps + 1):
+        t0, rng = time.time(), step_rng(args.seed, step)
+        # 1. the step's questions (the same list on every rank; each rank rolls out whole questions), each
+        # question's rollout tree of M responses
+        tasks = dist.shard([train_tasks[((step - 1) * args.tasks_per_step + i) % len(train_tasks)]
+                            for i in range(args.tasks_per_step)])
+        prompts = [build_prompt(r.tokenizer, *env.reset(t)) for t in tasks]
+        rollouts = rollout(r.generator, r.tokenizer, env, prompts, args, rng)
+        r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
+        # 2. the hierarchical reward; GRPO advantages per question, attributed to the tree's tokens
+        rewards, infos = score_rollouts(env, tasks, rollouts, r.tokenizer)
+        advantages = batch_advantages(rollouts, rewards, args.attribution)
+        # 3. PPO dual-clip update; the next rollouts sample from the new policy
+        batch = build_batch(prompts, rollouts, advantages, r.tokenizer.pad_token_id, device=r.device)
+        stats = update(r.policy, r.optimizer, batch, args, rng, r.reference)
+        r.generator.update_weights(r.model)
         metrics = rollout_metrics(*gather_rollouts(rollouts, rewards, infos), args.tasks_per_step)
-        line = {"step": step, **metrics, **update, "time_s": time.time() - t_rl,
-                "step_time_s": time.time() - t_step}  # rollout and update, as loop and t2po
+        line = {"step": step, **metrics, **stats, "time_s": time.time() - t_rl,
+                "step_time_s": time.time() - t0}
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            line.update(evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng))
-        logger.log(line)
-        final.update(line)
-        step_times.append(time.time() - t_step)
-        out_of_time = args.max_minutes > 0 and step < args.steps and (
-            time.time() - t0 + np.mean(step_times) + t_eval > 60 * args.max_minutes)
-        out_of_time = bool(dist.all_reduce(int(out_of_time), "max"))  # every rank stops at the same step
-        if step % args.save_every == 0 or step == args.steps or out_of_time:
-            save_checkpoint(args.out, step, model, optimizer, args)  # every rank: rank 0 writes
-        if out_of_time:  # --max-minutes: keep the promised wall-clock bound on a slow machine
-            say(f"stopping after step {step}: the next step would overrun --max-minutes {args.max_minutes}")
-            final["stopped_early_at_step"] = step
+            line.update(held_out())
+        r.logger.log(line)
+        step_times.append(time.time() - t0)
+        # --max-minutes: stop when the next step and the final evaluation would overrun (every rank alike)
+        stop = dist.all_reduce(int(args.max_minutes > 0 and step < args.steps and time.time() - t_start
+                                   + np.mean(step_times) + t_eval > 60 * args.max_minutes), "max")
+        if step % args.save_every == 0 or step == args.steps or stop:
+            run.save(r, args, step)
+        if stop:
+            run.say(f"stopping after step {step}: the next would overrun --max-minutes {args.max_minutes}")
+            line["stopped_early_at_step"] = step
             break
-    last = evaluate(eval_tasks, env, generator, tokenizer, args, eval_rng)
-    logger.log({"step": final.get("step", start_step), **last})
-    logger.close()
-    final.update(last)
-    report("rl", last)
-    final["eval_after"], final["reward_after"] = last["eval/success_rate"], last["eval/reward_mean"]
-    stages = [(name, final[f"eval_{key}"], final[f"reward_{key}"]) for name, key in
-              [("base", "before"), ("cold start", "cold_start"), ("rl", "after")] if f"eval_{key}" in final]
-    say(f"held-out ({len(eval_tasks)} questions, greedy) success / reward: "
-        + " -> ".join(f"{name} {sr:.3f} / {rw:.3f}" for name, sr, rw in stages))
+    r.extra["rl"] = held_out()
+    r.logger.log({"step": line["step"], **r.extra["rl"]})
+    r.logger.close()
+    final = {**line, **r.extra["rl"], **summary(r.extra, len(eval_tasks))}
     dist.cleanup()
     return final
 

@@ -31,7 +31,7 @@ def lengths(topk: int, n: int, tokenizer) -> dict[str, list[int | None]]:
         for task in env.tasks(split)[:n]:
             question, _ = env.reset(task)
             kind = next((k for key, k in KINDS if key in question), "arithmetic")
-            segments = arpo.expert_demo(env, question)
+            segments = env.expert_demo(question)
             n_tokens = None if segments is None else len(arpo.demo_rollout(tokenizer, segments).response_ids)
             out[kind].append(n_tokens)
     return out

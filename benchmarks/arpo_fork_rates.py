@@ -19,17 +19,33 @@ import json
 import os
 import random
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from arpo_vs_grpo import cold_start_model  # noqa: E402
 
 import arpo  # noqa: E402
+from common import run  # noqa: E402
 from common.generation import make_generator  # noqa: E402
 from common.models import load_policy  # noqa: E402
-from envs.base import make_env  # noqa: E402
+
+
+def cold_start_model(args: arpo.Args, folder: str) -> None:
+    """arpo.py's cold start (same seed, same demonstrations), saved as a model folder."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        print(f"[benchmark] reusing the cold-start model in {folder}")
+        return
+    torch.manual_seed(args.seed)
+    env, train_tasks, _ = arpo.build_envs(args)  # e.g. --search-topk, as arpo.py
+    model, tokenizer = load_policy(args.model)
+    no_engine = SimpleNamespace(update_weights=lambda model: None)  # the model is saved, not sampled
+    arpo.cold_start(SimpleNamespace(model=model, policy=model, tokenizer=tokenizer, generator=no_engine,
+                                    device="cpu"), env, train_tasks, args)
+    model.save_pretrained(folder + ".tmp")
+    tokenizer.save_pretrained(folder + ".tmp")
+    os.replace(folder + ".tmp", folder)
 
 
 class KeepExactEntropies:
@@ -77,12 +93,9 @@ def main() -> None:
     parser.add_argument("--json", default="", help="also write the figures to this file")
     ours, flags = parser.parse_known_args()
     folder = os.path.join(ours.root, "cold_start_model")
-    cold_start_model(flags, folder)
-    args = arpo.apply_preset(arpo.parse_args(arpo.Args, flags), flags)
-    arpo.check_args(args)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    env = make_env(args.env, seed=args.seed, **arpo.env_options(args))
+    args = run.parse(arpo.Args, flags, arpo.PRESETS, arpo.check_args)  # any arpo.py flag; sets --threads
+    cold_start_model(args, folder)
+    env, _, _ = arpo.build_envs(args)
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:ours.questions]
@@ -91,7 +104,7 @@ def main() -> None:
     real_rollout, wrap = arpo.adaptive_rollout, record_decisions(decisions, args.branch_k, len(tokenizer))
     arpo.adaptive_rollout = lambda *a, generate_segments, **kw: real_rollout(
         *a, generate_segments=wrap(generate_segments), **kw)
-    rollouts = arpo.rollout_questions(prompts, env, generator, tokenizer, args, random.Random(args.seed))
+    rollouts = arpo.rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed))
     arpo.adaptive_rollout = real_rollout
     forks = sum(r.parent is not None for r in rollouts)
     # the recorder's dH under the run's estimator is the rollout's own (a fork starts with an empty list)

@@ -29,7 +29,7 @@ T 0.7 with TTI and TDS on, B_max 1), through benchmarks/t2po_tds.py's `real_turn
 ARPO (`python arpo.py`'s defaults, tools env, after its cold start), through
 benchmarks/arpo_fork_rates.py's recorder: at each tool result, ΔH under both step-entropy estimators
 (topk: the authors', exact: ours) from the same tokens; the fork probability each implies per tool result,
-P = clip(1 − τ + β·ΔH, 0, 1), and the forks the run made per tool call run. Then one `ppo_update` (fresh
+P = clip(1 − τ + β·ΔH, 0, 1), and the forks the run made per tool call run. Then one `update` (fresh
 AdamW, lr as the default) from the same rollouts, all questions in one batch, under soft attribution
 (default: token-mean), `--attribution hard` (which also switches the loss to seq-mean-token-mean), and
 each attribution under the other aggregation, to separate the two: the relative difference of the
@@ -162,7 +162,7 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
 
 
 def arpo_update(model, batch_of, args, attribution: str, loss_agg: str) -> tuple[dict, dict]:
-    """One ppo_update from the current weights, fresh AdamW: (Δθ, unclipped gradient) per parameter; the
+    """One arpo.update from the current weights, fresh AdamW: (Δθ, unclipped gradient) per parameter; the
     weights are put back."""
     import arpo
 
@@ -171,7 +171,7 @@ def arpo_update(model, batch_of, args, attribution: str, loss_agg: str) -> tuple
                                   weight_decay=args.weight_decay)
     grads, real_clip = {}, torch.nn.utils.clip_grad_norm_
 
-    def clip(parameters, *a, **kw):  # the gradient ppo_update is about to clip
+    def clip(parameters, *a, **kw):  # the gradient arpo.update is about to clip
         grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         return real_clip(parameters, *a, **kw)
 
@@ -179,7 +179,7 @@ def arpo_update(model, batch_of, args, attribution: str, loss_agg: str) -> tuple
     run_args = dataclasses.replace(args, attribution=attribution, loss_agg=loss_agg)
     model.train()
     try:
-        arpo.ppo_update(model, None, optimizer, batch_of(attribution), run_args, random.Random(args.seed))
+        arpo.update(model, optimizer, batch_of(attribution), run_args, random.Random(args.seed))
     finally:
         torch.nn.utils.clip_grad_norm_ = real_clip
     delta = {n: p.detach() - before[n] for n, p in model.named_parameters()}
@@ -197,19 +197,18 @@ def relative(a: dict, b: dict) -> float:
 
 
 def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
-    from arpo_fork_rates import KeepExactEntropies, record_decisions
-    from arpo_vs_grpo import cold_start_model
+    from arpo_fork_rates import KeepExactEntropies, cold_start_model, record_decisions
 
     import arpo
+    from common import run
     from common.generation import make_generator
     from common.models import load_policy
-    from envs.base import make_env
 
     flags = ["--threads", str(threads)] if threads else []
     folder = os.path.join(root, "arpo_cold_start_model")
-    cold_start_model(flags, folder)
-    args = arpo.apply_preset(arpo.parse_args(arpo.Args, flags), flags)
-    env = make_env(args.env, seed=args.seed, **arpo.env_options(args))
+    args = run.parse(arpo.Args, flags, arpo.PRESETS, arpo.check_args)
+    cold_start_model(args, folder)
+    env, _, _ = arpo.build_envs(args)
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:questions]
@@ -219,7 +218,7 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
     arpo.adaptive_rollout = lambda *a, generate_segments, **kw: real_rollout(
         *a, generate_segments=wrap(generate_segments), **kw)
     try:
-        rollouts = arpo.rollout_questions(prompts, env, generator, tokenizer, args, random.Random(args.seed))
+        rollouts = arpo.rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed))
     finally:
         arpo.adaptive_rollout = real_rollout
     calls_run = sum(r.tool_calls[t] - r.shared_calls[t] for r in rollouts for t in arpo.TOOL_TAGS)

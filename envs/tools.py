@@ -174,6 +174,10 @@ def result_block(output: str) -> str:
     return f" <result>\n{output}\n</result>"  # ARPO's layout (vllm_rollout_with_tools.py)
 
 
+# a city's passage in the offline corpus (envs/qa_data.py), as the expert reads it
+CITY_FACTS = r"{} is a city in \w+\. It was founded in (\d+) and has a population of (\d+)\."
+
+
 class ToolsEnv:
     def __init__(self, seed: int = 0, train_path: str | None = None, eval_path: str | None = None,
                  corpus: str | None = None, url: str | None = None, topk: int = 3, max_tool_calls: int = 5,
@@ -233,6 +237,45 @@ class ToolsEnv:
     def run_tool_calls(self, texts: list[str]) -> list[str | None]:
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(texts)))) as pool:
             return list(pool.map(self.run_tool_call, texts))
+
+    def expert_demo(self, question: str) -> list[tuple[str, int]] | None:
+        """The scripted expert's response to one offline question (envs/qa_data.py `tool_question`), as
+        (text, policy) segments: 1 = written by the expert, 0 = a `<result>` block this environment's own
+        sandbox or retriever produced (arpo.py's cold start). Numbers come from the question or from the
+        retrieved passage, never from the ground truth. None for a question it cannot read, or a look-up
+        whose passage was not found."""
+        def call(tag: str, content: str, why: str) -> list[tuple[str, int]]:
+            output = self.execute_tool(tag, content)
+            return [(f"<think>{why}</think>\n<{tag}>{content}</{tag}>", 1), (result_block(output), 0)]
+
+        def answer(value: str) -> tuple[str, int]:
+            return f"\n<think>The answer is {value}.</think>\n<answer>\\boxed{{{value}}}</answer>", 1
+
+        def city(name: str) -> tuple[list[tuple[str, int]], re.Match | None]:
+            segs = call("search", f"{name} city population founded", f"I need to look up the city of {name}.")
+            return segs, re.search(CITY_FACTS.format(re.escape(name)), segs[1][0])
+
+        if m := re.fullmatch(r"What is (\d+) \* (\d+) - (\d+)\?", question):
+            code = f"print({m[1]} * {m[2]} - {m[3]})"
+        elif m := re.search(r"holds (\d+) crates with (\d+) boxes.* (\d+) boxes are shipped.*sold for (\d+) "
+                            r"dollars", question):
+            code = f"print(({m[1]} * {m[2]} - {m[3]}) * {m[4]})"
+        elif m := re.fullmatch(r"What is the population of the city of (\w+)\?", question):
+            segs, facts = city(m[1])
+            return segs + [answer(facts[2])] if facts else None
+        elif m := re.fullmatch(r"How many years apart were the cities of (\w+) and (\w+) founded\?|What is "
+                               r"the combined population of the cities of (\w+) and (\w+)\?", question):
+            years = m[1] is not None
+            (segs_x, x), (segs_y, y) = city(m[1] or m[3]), city(m[2] or m[4])
+            if not (x and y):
+                return None
+            code = f"print(abs({x[1]} - {y[1]}))" if years else f"print({x[2]} + {y[2]})"
+            segs = segs_x + segs_y + call("python", code, "Now compute it.")
+            return segs + [answer(segs[-1][0].split("\n")[1].strip())]
+        else:
+            return None
+        segs = call("python", code, "The numbers are large, so I compute with python.")
+        return segs + [answer(segs[-1][0].split("\n")[1].strip())]
 
     def _info(self, **extra) -> dict:
         row = self.row or {"question": "", "golden_answers": []}

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from learning_util import SEEDS, rise, train_curve
 from torchrun_util import DIST_SCRIPTS, ROOT, assert_ranks_match_one_process, torchrun
 
 import arpo
-from common import models
+from common import models, run
 
 # ---------------------------------------------------------------------------------------------------
 # step entropy and the branch rule
@@ -322,7 +323,7 @@ def test_rollout_on_tools_env_with_scripted_policy():
     prompt = arpo.build_prompt(tokenizer, *env.reset(task))
     args = arpo.Args(group_size=4, initial_rollouts=1, fork_z=3, beta=100.0, tau=0.5, max_new_tokens=200,
                      entropy="exact")  # the Samples carry exact entropies only
-    rollouts = arpo.rollout_questions([prompt], env, ScriptedPolicy(), tokenizer, args, random.Random(0))
+    rollouts = arpo.rollout(ScriptedPolicy(), tokenizer, env, [prompt], args, random.Random(0))
     # one global rollout; its post-result entropy rises (dH > 0, beta 100) so it forks Z = 3 at the result
     assert [r.parent for r in rollouts] == [None, 0, 0, 0]
     root = rollouts[0]
@@ -382,12 +383,15 @@ def test_end_to_end_reward_rises_on_toy(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    """The weights and the training lines of a run killed in step 3 and resumed equal an uninterrupted
+    run's; so do the held-out results of the stages before RL, which the checkpoint keeps (a resumed run
+    used to lose them from its summary and its return value)."""
     from common import checkpoint, models
 
     small = [*TOY, "--group-size", "2", "--initial-rollouts", "1", "--steps", "3", "--save-every", "1"]
-    arpo.main([*small, "--out", str(tmp_path / "straight")])
-    real_update, calls = arpo.ppo_update, []
+    straight = arpo.main([*small, "--out", str(tmp_path / "straight")])
+    real_update, calls = arpo.update, []
 
     def interrupted(*a, **k):  # dies inside iteration 3, after iteration 2's checkpoint was written
         calls.append(1)
@@ -395,28 +399,34 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
             raise KeyboardInterrupt
         return real_update(*a, **k)
 
-    monkeypatch.setattr(arpo, "ppo_update", interrupted)
+    monkeypatch.setattr(arpo, "update", interrupted)
     with pytest.raises(KeyboardInterrupt):
         arpo.main([*small, "--out", str(tmp_path / "resumed")])
-    monkeypatch.setattr(arpo, "ppo_update", real_update)
-    arpo.main([*small, "--out", str(tmp_path / "resumed"), "--resume"])
+    monkeypatch.setattr(arpo, "update", real_update)
+    capsys.readouterr()
+    resumed = arpo.main([*small, "--out", str(tmp_path / "resumed"), "--resume"])
     params = []
-    for run in ("straight", "resumed"):
+    for name in ("straight", "resumed"):
         model, _ = models.load_policy(models.TINY_MODEL)
-        assert checkpoint.load_checkpoint(str(tmp_path / run), model, None)["step"] == 3
+        state = checkpoint.load_checkpoint(str(tmp_path / name), model, None)
+        assert state["step"] == 3 and set(state["extra"]) == {"base", "cold_start"}
         params.append(model.state_dict())
     for k, v in params[0].items():
         assert torch.equal(v, params[1][k]), k
     assert train_rewards(tmp_path / "straight") == train_rewards(tmp_path / "resumed")[-3:]
+    stages = [f"{k}_{s}" for s in ("before", "cold_start", "after") for k in ("eval", "reward")]
+    assert {k: resumed[k] for k in stages} == {k: straight[k] for k in stages}
+    summary = r"success / reward: base \S+ / \S+ -> cold start \S+ / \S+ -> rl "  # the resumed run's
+    assert re.search(summary, capsys.readouterr().out)
 
 
 def test_paper_preset_is_one_flag_and_explicit_flags_win():
     argv = ["--preset", "paper", "--group-size", "8"]
-    args = arpo.apply_preset(arpo.parse_args(arpo.Args, argv), argv)
+    args = run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args)
     assert (args.initial_rollouts, args.branch_k, args.beta, args.tau, args.fork_z, args.max_tool_calls) == (
         8, 20, 0.2, 0.5, 1, 5)
     assert args.group_size == 8 and args.lr == 1e-6 and args.max_minutes == 0.0
-    default = arpo.apply_preset(arpo.parse_args(arpo.Args, []), [])
+    default = run.parse(arpo.Args, [], arpo.PRESETS, arpo.check_args)
     assert (default.group_size, default.initial_rollouts, default.rollout, default.attribution) == (
         4, 2, "arpo", "soft")
     # the CPU run: one passage per search, so every kind of question fits the 256-token response budget
@@ -424,17 +434,16 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
 
 
 def test_search_topk_sets_the_passages_per_search_result():
-    from envs.base import make_env
-    for argv, passages in (([], 1), (["--search-topk", "3"], 3)):
-        args = arpo.parse_args(arpo.Args, argv)
-        env = make_env("tools", seed=0, **arpo.env_options(args))
+    # --env-options, the user's, win over the script's own options
+    for argv, passages in (([], 1), (["--search-topk", "3"], 3), (["--env-options", '{"topk": 2}'], 2)):
+        env, _, _ = arpo.build_envs(run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args))
         result = env.execute_tool("search", "population of the city of Quibri")
         assert [line.startswith(f"Doc {i + 1} ") for i, line in enumerate(result.splitlines())] == \
             [True] * passages, result
 
 
 def test_search_topk_below_one_is_a_clear_error():
-    with pytest.raises(SystemExit, match="--search-topk must be >= 1"):
+    with pytest.raises(SystemExit, match="--search-topk 0: must be >= 1"):
         arpo.main(["--search-topk", "0"])
 
 
@@ -442,46 +451,27 @@ def test_search_topk_below_one_is_a_clear_error():
 # cold start: the scripted expert and its SFT
 
 
-def test_expert_demonstrations_are_well_formed_and_correct():
+def test_cold_start_trains_on_the_expert_tokens_only(monkeypatch):
     from envs.base import make_env
-    from envs.tools import score
 
-    env = make_env("tools", seed=0)
-    task = next(t for t in env.tasks("train") if env.reset(t)[0] == "What is 57676 * 4683 - 23425?")
-    segments = arpo.expert_demo(env, env.reset(task)[0])
-    # the sandbox ran the expert's call: 57676 * 4683 = 270096708, minus 23425 = 270073283
-    assert [policy for _, policy in segments] == [1, 0, 1]
-    assert "<python>print(57676 * 4683 - 23425)</python>" in segments[0][0]
-    assert segments[1][0] == " <result>\n270073283\n</result>"
-    assert segments[2][0].endswith("<answer>\\boxed{270073283}</answer>")
-    kinds, rewards = set(), []
-    for task in env.tasks("train")[:40]:
-        question, info = env.reset(task)
-        segments = arpo.expert_demo(env, question)
-        assert segments is not None, question  # every offline question kind has an expert
-        s = score("".join(text for text, _ in segments), info["golden_answers"])
-        assert s["format_ok"] and s["reward"] > -1 and s["f1"] == 1.0, (question, s)
-        kinds.add(tuple(tag for tag in ("<python>", "<search>") if any(tag in t for t, _ in segments)))
-        rewards.append(s["reward"])
-    # python only, search only, and both (the look-up + arithmetic questions earn the 0.1 bonus)
-    assert kinds == {("<python>",), ("<search>",), ("<python>", "<search>")}
-    assert set(rewards) == {1.0, 1.1}
-    assert arpo.expert_demo(env, "Who wrote this question?") is None
-
-
-def test_cold_start_sft_masks_result_tokens():
-    from common.models import TINY_MODEL, load_policy
-
-    model, tokenizer = load_policy(TINY_MODEL)
+    model, tokenizer = models.load_policy(models.TINY_MODEL)
     segments = [("<think>a</think>\n<python>print(1)</python>", 1), (" <result>\n1\n</result>", 0),
                 ("\n<answer>\\boxed{1}</answer>", 1)]
     demo = arpo.demo_rollout(tokenizer, segments)
     masked = [t for t, m in zip(demo.response_ids, demo.policy_mask, strict=True) if m == 0]
     assert tokenizer.decode(masked) == " <result>\n1\n</result>"
-    prompt = tokenizer.encode("Question?", add_special_tokens=False)
-    # lr 0: the weights stay put and the returned loss is the NLL of the policy tokens under the model
-    args = arpo.Args(cold_start_lr=0.0, cold_start_epochs=1, micro_batch_size=4)
-    loss = arpo.cold_start_sft(model, tokenizer, [prompt], [demo], args, random.Random(0))
+    # the cold start on one tools question, lr 0: the weights stay put and run.sft's loss is the NLL of the
+    # expert's tokens under the model, the result block left out
+    env = make_env("tools", seed=0)
+    task = next(t for t in env.tasks("train") if env.reset(t)[0] == "What is 57676 * 4683 - 23425?")
+    losses, pushed, real_sft = [], [], run.sft
+    monkeypatch.setattr(run, "sft", lambda *a, **k: losses.append(real_sft(*a, **k)) or losses[-1])
+    r = SimpleNamespace(model=model, policy=model, tokenizer=tokenizer, device="cpu",
+                        generator=SimpleNamespace(update_weights=pushed.append))
+    assert arpo.cold_start(r, env, [task], arpo.Args(cold_start_lr=0.0, micro_batch_size=4)) == {}
+    assert pushed == [model]  # the generator samples from the fine-tuned weights
+    demo = arpo.demo_rollout(tokenizer, env.expert_demo(env.reset(task)[0]))
+    prompt = arpo.build_prompt(tokenizer, *env.reset(task))
     ids = torch.tensor([prompt + demo.response_ids])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)  # (T-1, V)
@@ -489,7 +479,7 @@ def test_cold_start_sft_masks_result_tokens():
     nll = [-logp[p - 1 + i, tok].item() for i, (tok, m) in enumerate(zip(demo.response_ids, demo.policy_mask,
                                                                          strict=True)) if m == 1]
     every = [-logp[p - 1 + i, tok].item() for i, tok in enumerate(demo.response_ids)]
-    assert loss == pytest.approx(sum(nll) / len(nll), rel=1e-4)
+    assert losses == [pytest.approx(sum(nll) / len(nll), rel=1e-4)]
     assert abs(sum(every) / len(every) - sum(nll) / len(nll)) > 1e-3  # the mask matters to the number
 
 
@@ -544,28 +534,38 @@ def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys):
     ("--fork-z", "-1"), ("--max-tool-calls", "-1"), ("--minibatches", "0"), ("--micro-batch-size", "0"),
     ("--save-every", "0"), ("--eval-every", "-1"), ("--lr", "-1e-5"), ("--lr", "nan"), ("--clip-low", "1"),
     ("--clip-high", "-0.1"), ("--dual-clip", "1"), ("--max-grad-norm", "0"), ("--kl-coef", "-0.1"),
-    ("--lora-rank", "-1"), ("--cold-start-epochs", "0"), ("--search-topk", "0")])
+    ("--lora-rank", "-1"), ("--cold-start-epochs", "-1"), ("--search-topk", "0"), ("--group-size", "1"),
+    ("--initial-rollouts", "0"), ("--initial-rollouts", "5"), ("--max-turns", "0"), ("--seed", "-1"),
+    ("--max-minutes", "-1")])
 def test_nonsense_values_end_in_one_line_naming_the_flag(flag, value, monkeypatch, tmp_path):
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the flag was checked")
-    monkeypatch.setattr(arpo, "load_policy", no_model)
+    monkeypatch.setattr(models, "load_policy", no_model)
     with pytest.raises(SystemExit) as e:
         arpo.main([f"{flag}={value}", "--out", str(tmp_path / "run")])  # = : argparse reads -1e-5 as a flag
     message = str(e.value.code)
-    assert message.startswith(f"arpo.py: {flag} must be") and "\n" not in message, message
+    assert message.startswith(f"arpo.py: {flag} ") and ": must be " in message, message
+    assert "\n" not in message
     assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_one_rollout_per_question_is_refused():
+    # issue 23: GRPO's advantage (r - mean) / std is undefined with one rollout in the group
+    with pytest.raises(SystemExit, match=r"^arpo.py: --group-size 1: must be >= 2 \(a group-relative "):
+        arpo.main(["--group-size", "1", "--initial-rollouts", "1"])
+    with pytest.raises(SystemExit, match=r"^arpo.py: --initial-rollouts 3: must be <= --group-size \(2\)"):
+        arpo.main(["--group-size", "2", "--initial-rollouts", "3"])
 
 
 def test_paper_preset_keeps_explicit_flags_in_every_spelling():
     # `--no-flag` and `--flag=value` are explicit too; the old argv matching missed the first
     argv = ["--preset=paper", "--no-gradient-checkpointing", "--group-size=8", "--lr", "3e-6"]
-    args = arpo.apply_preset(arpo.parse_args(arpo.Args, argv), argv)
+    args = run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args)
     assert (args.gradient_checkpointing, args.group_size, args.lr) == (False, 8, 3e-6)
     assert (args.initial_rollouts, args.max_new_tokens, args.cold_start) == (8, 4096, False)  # the preset's
-    argv = ["--preset", "paper"]
-    assert arpo.apply_preset(arpo.parse_args(arpo.Args, argv), argv).gradient_checkpointing is True
+    assert run.parse(arpo.Args, ["--preset", "paper"], arpo.PRESETS).gradient_checkpointing is True
     with pytest.raises(SystemExit):  # an abbreviation cannot slip past the preset: refused
-        arpo.parse_args(arpo.Args, ["--preset", "paper", "--group", "8"])
+        run.parse(arpo.Args, ["--preset", "paper", "--group", "8"], arpo.PRESETS)
 
 
 def test_environment_without_seed_is_built_and_a_missing_package_names_its_install(monkeypatch, tmp_path):
@@ -575,17 +575,17 @@ def test_environment_without_seed_is_built_and_a_missing_package_names_its_insta
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the environment was built")
-    monkeypatch.setattr(arpo, "load_policy", no_model)
+    monkeypatch.setattr(models, "load_policy", no_model)
     # an environment whose factory takes no seed (as alfworld's): built without one
     monkeypatch.setitem(base._REGISTRY, "seedless", lambda: toy.ToyEnv(turns=1))
-    args = arpo.parse_args(arpo.Args, ["--env", "seedless", "--eval-tasks", "3"])
-    env, train, held_out = arpo.build_env(args)
+    args = run.parse(arpo.Args, ["--env", "seedless", "--eval-tasks", "3"], arpo.PRESETS)
+    env, train, held_out = arpo.build_envs(args)
     assert isinstance(env, toy.ToyEnv) and len(held_out) == 3 and train
 
     def missing(**options):
         raise ImportError("Foo is not installed; set it up with: pip install foo")
     monkeypatch.setitem(base._REGISTRY, "needs-foo", missing)
-    with pytest.raises(SystemExit, match=r"^arpo.py: --env needs-foo: .*pip install foo$"):
+    with pytest.raises(SystemExit, match=r"^arpo.py: --env 'needs-foo': .*pip install foo$"):
         arpo.main(["--env", "needs-foo", "--out", str(tmp_path / "a")])
     if importlib.util.find_spec("alfworld") is None:  # the real one, where it is not installed (as here)
         with pytest.raises(SystemExit) as e:
@@ -650,7 +650,7 @@ def test_fork_decision_reads_the_chosen_estimator():
         asked.clear()
         args = arpo.Args(group_size=4, initial_rollouts=1, fork_z=3, beta=5.0, tau=0.5, branch_k=3,
                          max_new_tokens=200, entropy=estimator)
-        rollouts = arpo.rollout_questions([prompt], env, ScriptedPolicy(), tokenizer, args, random.Random(0))
+        rollouts = arpo.rollout(ScriptedPolicy(), tokenizer, env, [prompt], args, random.Random(0))
         assert set(asked) == {k}  # the top-10 log-probs are asked for only when they are read
         assert rollouts[0].delta_h == pytest.approx([expected[estimator]], rel=1e-9)
         assert sum(r.parent is not None for r in rollouts) == forks
@@ -701,7 +701,7 @@ def test_hard_attribution_changes_the_gradient_only_under_the_paper_objective():
 
 
 def test_hard_and_soft_updates_differ_on_the_model_only_under_the_paper_objective():
-    # the same crafted tree through ppo_update on the tiny model (float64, plain SGD): soft and hard
+    # the same crafted tree through update on the tiny model (float64, plain SGD): soft and hard
     # attribution move the weights the same under a token mean, differently under the paper's objective
     from common.models import TINY_MODEL, load_policy
 
@@ -715,8 +715,7 @@ def test_hard_and_soft_updates_differ_on_the_model_only_under_the_paper_objectiv
         batch = arpo.build_batch([[5, 6, 7]], rollouts, arpo.batch_advantages(rollouts, rewards, attribution),
                                  tokenizer.pad_token_id)
         args = arpo.Args(attribution=attribution, loss_agg=agg, micro_batch_size=2, max_grad_norm=1e9)
-        arpo.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, args,
-                        random.Random(0))
+        arpo.update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, random.Random(0))
         moved[attribution, agg] = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
     token_mean = (moved["soft", "token-mean"] - moved["hard", "token-mean"]).abs().max().item()
     paper = (moved["soft", "seq-mean-token-mean"] - moved["hard", "auto"]).abs().max().item()
@@ -724,6 +723,46 @@ def test_hard_and_soft_updates_differ_on_the_model_only_under_the_paper_objectiv
     # token mean: equal up to the float32 rounding of the advantages (measured 2.6e-8 of the largest step);
     # the paper's objective: 11% of it (measured)
     assert token_mean < 1e-6 * scale and paper > 0.05 * scale, (token_mean, paper, scale)
+
+
+def test_lora_kl_reference_is_the_base_model_with_the_adapter_off():
+    # a trained adapter (lora_B away from its zero init): the KL's reference log-probs are the base model's,
+    # bit for bit, and the KL term is on
+    torch.manual_seed(0)
+    model, tokenizer = models.load_policy(models.TINY_MODEL, lora_rank=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    base, _ = models.load_policy(models.TINY_MODEL)
+    rollouts, rewards = crafted_tree()
+    batch = arpo.build_batch([[5, 6, 7]], rollouts, arpo.batch_advantages(rollouts, rewards, "soft"),
+                             tokenizer.pad_token_id)
+    stats = arpo.update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch,
+                        arpo.Args(kl_coef=0.1, lora_rank=4), random.Random(0))
+    with torch.no_grad():
+        expected = arpo.sequence_logprobs(base.eval(), batch, [0, 1, 2], 1.0)  # (3, t-1)
+        adapted = arpo.sequence_logprobs(model, batch, [0, 1, 2], 1.0)  # the adapter is on again
+    assert torch.equal(batch["ref_logp"], expected)
+    assert not torch.allclose(adapted, expected) and stats["kl"] > 0
+
+
+@pytest.mark.slow
+def test_lora_kl_run_loads_the_model_once_and_the_kl_acts(tmp_path, monkeypatch):
+    # with LoRA the reference is the policy's own base weights (adapter off): no second model is loaded
+    loads, real_load = [], models.load_policy
+
+    def counted(*a, **k):
+        loads.append(a[0])
+        return real_load(*a, **k)
+    monkeypatch.setattr(models, "load_policy", counted)
+    monkeypatch.setattr(arpo, "load_policy", counted, raising=False)  # the old script imported it by name
+    out = tmp_path / "run"
+    arpo.main([*TOY, "--lora-rank", "4", "--kl-coef", "0.1", "--minibatches", "2", "--steps", "1",
+               "--out", str(out)])
+    assert loads == ["tiny-random"]
+    (line,) = [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "kl" in x]
+    assert line["kl"] > 0  # the second mini-batch's policy has moved away from the base model
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -772,7 +811,7 @@ def test_an_empty_tool_call_ends_the_rollout_with_a_format_error(monkeypatch):
                             ("<think>hm</think><python>1</python>", 2)):
         ran.clear()
         policy = OneSegmentPolicy(tokenizer, call, "</python>")
-        rollouts = arpo.rollout_questions([prompt], env, policy, tokenizer, args, random.Random(0))
+        rollouts = arpo.rollout(policy, tokenizer, env, [prompt], args, random.Random(0))
         assert len(ran) == calls_run
         if calls_run == 0:
             assert [r.finish for r in rollouts] == ["empty_call"] * 2
@@ -789,8 +828,8 @@ def test_stop_at_answer_is_ours_and_the_paper_preset_stops_only_at_tool_tags():
     tools_only = ["</python>", "</search>"]
     for argv, stops in (([], [*tools_only, "</answer>"]), (["--no-stop-at-answer"], tools_only),
                         (["--preset", "paper"], tools_only)):
-        args = arpo.apply_preset(arpo.parse_args(arpo.Args, argv), argv)
+        args = run.parse(arpo.Args, argv, arpo.PRESETS)
         args.group_size = args.initial_rollouts = 1
         policy = OneSegmentPolicy(tokenizer, "<think>a</think><python>1</python>", "</python>")
-        arpo.rollout_questions([prompt], env, policy, tokenizer, args, random.Random(0))
+        arpo.rollout(policy, tokenizer, env, [prompt], args, random.Random(0))
         assert all(s == stops for s in policy.stops), argv

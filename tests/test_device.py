@@ -9,6 +9,7 @@ tensors on the model's device. AdamW is swapped for SGD: it keeps its step count
 
 import copy
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 import arpo
 import loop
 import t2po
+from common import run
 from common.models import TINY_MODEL, load_policy
 
 
@@ -60,12 +62,24 @@ def test_arpo_update_and_cold_start_feed_the_model_on_its_device(tiny, default_d
     batch = arpo.build_batch([[5, 6, 7]], rollouts, advantages, tokenizer.pad_token_id, device=device)
     # minibatches 2: pi_old recomputed; kl_coef > 0: the reference's forward too
     args = arpo.Args(minibatches=2, micro_batch_size=1, kl_coef=0.1)
-    stats = arpo.ppo_update(model, copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                            args, random.Random(0))
+    stats = arpo.update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, args, random.Random(0),
+                        reference=copy.deepcopy(model))
     assert np.isfinite(stats["loss"]) and len(calls) == 2 * 2 + 2  # old, ref per row; one per mini-batch
-    loss = arpo.cold_start_sft(model, tokenizer, [[5, 6, 7]] * 2, rollouts, arpo.Args(cold_start_lr=0.0),
-                               random.Random(0))
-    assert np.isfinite(loss) and len(calls) == 7
+
+    class OneExpert:  # one question, whose scripted expert writes a call, gets its result and answers
+        def reset(self, task):
+            return "Q?", {}
+
+        def expert_demo(self, question):
+            return [("<python>1</python>", 1), (" <result>\n1\n</result>", 0), ("<answer>1</answer>", 1)]
+
+        def step(self, response):
+            return "", 1.0, True, {"won": True}
+
+    r = SimpleNamespace(model=model, policy=model, tokenizer=tokenizer, device=device,
+                        generator=SimpleNamespace(update_weights=lambda model: None))
+    arpo.cold_start(r, OneExpert(), [0, 1], arpo.Args(cold_start_lr=0.0, cold_start_episodes=2))
+    assert len(calls) == 7  # one SFT forward: both demonstrations in one micro-batch
 
 
 def test_t2po_update_and_rft_feed_the_model_on_its_device(tiny, default_device_elsewhere):
@@ -76,11 +90,12 @@ def test_t2po_update_and_rft_feed_the_model_on_its_device(tiny, default_device_e
                dict(prompt_ids=[11, 12], response_ids=[31, 32], mask=[1, 0], advantage=-1.0)]
     # minibatch_size 1: two minibatches, pi_old recomputed; kl_coef > 0: the reference's forward too
     args = t2po.Args(lr=0.0, minibatch_size=1, micro_batch_size=1, kl_coef=0.1)
-    stats = t2po.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, args,
-                            np.random.default_rng(0), reference=copy.deepcopy(model))
+    stats = t2po.update(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, args,
+                        np.random.default_rng(0), reference=copy.deepcopy(model))
     assert np.isfinite(stats["loss"]) and len(calls) == 2 + 2 + 2
-    loss = t2po.sft(model, [(s["prompt_ids"], s["response_ids"], s["mask"]) for s in samples], args, 0.0, 1,
-                    np.random.default_rng(0))
+    loss = run.sft(model, 2, lambda rows: t2po.sft_log_likelihood(model, [samples[i] for i in rows]),
+                   lr=0.0, weight_decay=0.0, max_grad_norm=1.0, epochs=1, micro_batch_size=1,
+                   permute=lambda n: [0, 1])
     assert np.isfinite(loss) and len(calls) == 8
 
 

@@ -8,7 +8,7 @@ import pytest
 import arpo
 import loop
 import t2po
-from common import cli
+from common import cli, run
 
 
 class Loaded(Exception):
@@ -23,10 +23,7 @@ def test_dtype_and_lora_alpha_reach_the_model_loader(script, monkeypatch, tmp_pa
         seen.update(kw)
         raise Loaded
 
-    if script is loop:
-        monkeypatch.setattr(loop.models, "load_policy", load_policy)
-    else:
-        monkeypatch.setattr(script, "load_policy", load_policy)
+    monkeypatch.setattr(run.models, "load_policy", load_policy)
     with pytest.raises(Loaded):
         script.main(["--env", "toy", "--model", "tiny-random", "--backend", "hf", "--dtype", "bfloat16",
                      "--lora-rank", "4", "--lora-alpha", "8", "--out", str(tmp_path / "r")])
@@ -38,6 +35,49 @@ SCRIPTS = {"loop": loop, "arpo": arpo, "t2po": t2po}
 
 def fields(script) -> set[str]:
     return {f.name for f in dataclasses.fields(script.Args)}
+
+
+def test_the_shared_flags_are_declared_once_with_their_help_and_bounds():
+    """A script re-declares a shared flag only to change its default: help, group and bounds are RunArgs'."""
+    shared = {f.name for f in dataclasses.fields(run.RunArgs)}
+    for name, script in SCRIPTS.items():
+        assert shared <= fields(script), (name, shared - fields(script))
+        for field in shared - {"preset"}:
+            meta = cli.metadata(script.Args, field)
+            assert meta["help"] and meta["group"], (name, field)
+        assert cli.metadata(script.Args, "group_size")["bounds"] == {"ge": 2}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("flags, shown", [
+    (["--lr", "nan"], "--lr nan: must be a finite number"),
+    (["--lr", "inf"], "--lr inf: must be a finite number"),
+    (["--temperature", "inf"], "--temperature inf: must be a finite number"),
+    (["--temperature", "nan"], "--temperature nan: must be a finite number"),
+    (["--seed", str(2**70)], f"--seed {2**70}: must be < {2**31} (the range every RNG of the run accepts)"),
+    (["--seed", "-1"], "--seed -1: must be >= 0 (the range every RNG of the run accepts)"),
+    (["--group-size", "1"], "--group-size 1: must be >= 2 (a group-relative advantage needs a second "
+                            "rollout)"),
+    (["--tasks-per-step", "1001"], "--tasks-per-step 1001: --env 'toy' has only 1000 training tasks"),
+    (["--tasks-per-step", "100000"], "--tasks-per-step 100000: --env 'toy' has only 1000 training tasks"),
+])
+def test_bad_input_is_one_line_before_the_model_loads_and_leaves_no_run_folder(name, flags, shown,
+                                                                                monkeypatch, tmp_path):
+    monkeypatch.setattr(run.models, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        SCRIPTS[name].main(["--env", "toy", "--model", "tiny-random", "--out", str(out), *flags])
+    assert str(e.value.code) == f"{name}.py: {shown}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_control_character_in_env_is_shown_escaped(name, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(run.models, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit) as e:
+        SCRIPTS[name].main(["--env", "to\u202ey", "--out", str(tmp_path / "run")])
+    message = str(e.value.code)
+    assert "\u202e" not in message and "'to\\u202ey'" in message, message
 
 
 def test_one_concept_one_flag_in_every_script():
@@ -91,7 +131,7 @@ def test_preset_choices_are_the_registered_presets(name):
 def test_the_preset_in_force_is_printed_and_explicit_flags_win(name, argv, printed, not_printed, kept,
                                                                capsys):
     script = SCRIPTS[name]
-    args = script.apply_preset(cli.parse_args(script.Args, argv), argv)
+    args = run.parse(script.Args, argv, script.PRESETS)
     line = capsys.readouterr().out
     assert line.startswith(printed) and line.count("\n") == 1 and not_printed not in line
     assert getattr(args, kept[0]) == kept[1]

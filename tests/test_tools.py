@@ -186,16 +186,42 @@ def test_env_refuses_without_kernel_isolation_unless_accepted(monkeypatch):
     assert env.run_tool_call("<think>x</think><python>6 * 7</python>") == " <result>\n42\n</result>"
 
 
+def test_expert_demonstrations_are_well_formed_and_correct():
+    # the scripted expert (arpo.py's cold start demonstrates with it)
+    env = make_env("tools", seed=0)
+    task = next(t for t in env.tasks("train") if env.reset(t)[0] == "What is 57676 * 4683 - 23425?")
+    segments = env.expert_demo(env.reset(task)[0])
+    # the sandbox ran the expert's call: 57676 * 4683 = 270096708, minus 23425 = 270073283
+    assert [policy for _, policy in segments] == [1, 0, 1]
+    assert "<python>print(57676 * 4683 - 23425)</python>" in segments[0][0]
+    assert segments[1][0] == " <result>\n270073283\n</result>"
+    assert segments[2][0].endswith("<answer>\\boxed{270073283}</answer>")
+    kinds, rewards = set(), []
+    for task in env.tasks("train")[:40]:
+        question, info = env.reset(task)
+        segments = env.expert_demo(question)
+        assert segments is not None, question  # every offline question kind has an expert
+        s = tools.score("".join(text for text, _ in segments), info["golden_answers"])
+        assert s["format_ok"] and s["reward"] > -1 and s["f1"] == 1.0, (question, s)
+        kinds.add(tuple(tag for tag in ("<python>", "<search>") if any(tag in t for t, _ in segments)))
+        rewards.append(s["reward"])
+    # python only, search only, and both (the look-up + arithmetic questions earn the 0.1 bonus)
+    assert kinds == {("<python>",), ("<search>",), ("<python>", "<search>")}
+    assert set(rewards) == {1.0, 1.1}
+    assert env.expert_demo("Who wrote this question?") is None
+
+
 def test_arpo_unsafe_python_flag(monkeypatch):
     # arpo.py: the refusal is one line naming the flag, before the model loads; the flag reaches the env
     import arpo
     import envs.sandbox as sandbox
+    from common import run
 
     bare = {"kernel_isolated": False, "note": "missing: everything (test)"}
     monkeypatch.setattr(tools, "isolation", lambda namespaces=True: bare)
     monkeypatch.setattr(sandbox, "isolation", lambda namespaces=True: bare)
-    with pytest.raises(SystemExit, match=r"^arpo.py: --env tools: .*--unsafe-python") as e:
-        arpo.build_env(arpo.parse_args(arpo.Args, ["--env", "tools"]))
+    with pytest.raises(SystemExit, match=r"^arpo.py: --env 'tools': .*--unsafe-python") as e:
+        arpo.build_envs(run.parse(arpo.Args, ["--env", "tools"], arpo.PRESETS))
     assert "\n" not in str(e.value)
-    env, _, _ = arpo.build_env(arpo.parse_args(arpo.Args, ["--env", "tools", "--unsafe-python"]))
+    env, _, _ = arpo.build_envs(run.parse(arpo.Args, ["--env", "tools", "--unsafe-python"], arpo.PRESETS))
     assert env.limits.unsafe

@@ -1,8 +1,8 @@
-"""Run under `torchrun --nproc-per-node 2`: arpo.py's own update (`ppo_update`) under DDP on fixed rollouts.
+"""Run under `torchrun --nproc-per-node 2`: arpo.py's own update (`update`) under DDP on fixed rollouts.
 
 Two iterations on the tiny model (float64). Each rank takes its shard of the step's questions (whole
 groups, `dist.shard`), builds its batch with the script's advantage (hard attribution, forks included) and
-runs `ppo_update` through `dist.wrap(model, "ddp")`. Iteration 1: 3 questions, so rank 0 has two (three
+runs `update` through `dist.wrap(model, "ddp")`. Iteration 1: 3 questions, so rank 0 has two (three
 micro-batches) and rank 1 one (two micro-batches, padded with a zero-weight one), and rank 1's question has
 equal rewards (zero advantage: its micro-batches are skipped only when both ranks skip). Iteration 2: one
 question, so rank 1 has no rollout at all. After each step rank 0 records whether every parameter is
@@ -70,7 +70,7 @@ def train(shard: bool) -> tuple[list[list[torch.Tensor]], list[bool]]:
     for iteration, n in QUESTIONS.items():
         questions = dist.shard(list(range(n))) if shard else list(range(n))
         batch = batch_for(iteration, questions, len(tokenizer), tokenizer.pad_token_id)
-        arpo.ppo_update(policy, None, optimizer, batch, ARGS, random.Random(iteration))
+        arpo.update(policy, optimizer, batch, ARGS, random.Random(iteration))
         params.append([p.detach().clone() for p in model.parameters()])
         agree.append(ranks_agree(params[-1]))
     return params, agree
