@@ -34,6 +34,7 @@ import torch
 
 from common import cli, dist, run
 from common.cli import opt
+from common.generation import first_prefix_containing
 from common.logprobs import token_logprobs
 from common.models import unwrap
 from common.run import RunArgs
@@ -261,20 +262,6 @@ def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: in
     return None
 
 
-def first_prefix_containing(tokenizer, ids: list[int], marker: str) -> int | None:
-    """Smallest n such that decode(ids[:n]) contains marker (binary search: containment is monotone)."""
-    if marker not in tokenizer.decode(ids):
-        return None
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if marker in tokenizer.decode(ids[:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[int], args: Args, *,
                   temperature: float, top_p: float = 1.0, top_k: int = 0, tti: bool) -> list[dict]:
     """One response per prompt. With TTI: generate the thinking in chunks, scan each chunk with the causal
@@ -496,9 +483,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
     stats = defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
         return [], stats
-    first = pool.reset(tasks)
-    obs = [o for o, _ in first]
-    infos = [i for _, i in first]
+    obs, infos = map(list, zip(*pool.reset(tasks), strict=True))
     instruction = [i.get("instruction", "") for i in infos]
     history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
     episodes = [dict(task=tasks[i], group=groups[i], won=False, score=0.0, turns=[]) for i in range(n)]
@@ -584,12 +569,18 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
     }
 
 
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int) -> dict:
+def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int, stage: str = ""
+             ) -> dict:
     """Held-out episodes, one per task; TTI on (it is part of inference), TDS off (training only)."""
     episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args, step=step,
                               train=False, temperature=args.eval_temperature, top_p=args.eval_top_p,
                               top_k=args.eval_top_k)
-    return summarise(episodes, stats, prefix="eval/")
+    m = summarise(episodes, stats, prefix="eval/")
+    if stage:
+        print(f"[{stage}] held-out success {m['eval/success_rate']:.3f}  score {m['eval/score']:.3f}  "
+              f"tokens/turn {m['eval/tokens_per_turn']:.1f}  invalid {m['eval/invalid_format_rate']:.2f}",
+              flush=True)
+    return m
 
 
 # Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
@@ -665,7 +656,7 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
             f"successful episodes ({source})")
     if not turns:
         return {}
-    log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows])  # noqa: E731
+    log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows])
     loss = run.sft(r.policy, len(turns), log_likelihood, lr=args.cold_start_lr,
                    weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                    epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
@@ -706,7 +697,7 @@ def turn_batch(samples: list[dict], device=None) -> tuple[torch.Tensor, torch.Te
     seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
     masks = [[0] * len(s["prompt_ids"]) + s["mask"] for s in samples]
     width = max(len(s) for s in seqs)
-    pad = lambda rows: [list(r) + [0] * (width - len(r)) for r in rows]  # noqa: E731
+    pad = lambda rows: [list(r) + [0] * (width - len(r)) for r in rows]
     return (torch.tensor(pad(seqs), dtype=torch.long, device=device),  # (B, T)
             torch.tensor(pad([[1] * len(s) for s in seqs]), dtype=torch.long, device=device),  # (B, T)
             torch.tensor(pad(masks), dtype=torch.float32, device=device))  # (B, T)
@@ -835,8 +826,8 @@ def main(argv: list[str] | None = None) -> dict:
         return run.dry_run(args, seq_len=4096 + args.max_new_tokens)
     env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool = build_envs(args)
     r = run.setup(args, desc="t2po" if (args.tti or args.tds) else "gigpo")
-    held_out = lambda stage, step: report(stage, run.on_main(  # noqa: E731
-        lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args, step)))
+    held_out = lambda stage, step: run.on_main(
+        lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args, step, stage))
     if "base" not in r.extra:  # a resumed run has done these
         r.extra["base"] = held_out("base", 0)
         r.logger.log({"step": 0, **r.extra["base"]})
@@ -884,14 +875,6 @@ def main(argv: list[str] | None = None) -> dict:
             + f"  ({(time.time() - t_begin) / 60:.1f} min)")
     dist.cleanup()
     return r.extra
-
-
-def report(stage: str, result: dict) -> dict:
-    """One line per held-out evaluation on rank 0."""
-    run.say(f"[{stage}] held-out success {result['eval/success_rate']:.3f}  "
-            f"score {result['eval/score']:.3f}  tokens/turn {result['eval/tokens_per_turn']:.1f}  "
-            f"invalid {result['eval/invalid_format_rate']:.2f}")
-    return result
 
 
 if __name__ == "__main__":

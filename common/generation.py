@@ -142,6 +142,21 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
+def first_prefix_containing(tokenizer, ids: list[int], marker: str) -> int | None:
+    """Smallest n such that decode(ids[:n]) contains marker, or None (binary search: containment is
+    monotone). t2po.py finds where a response's thinking ends (`</think>`) in token space with it."""
+    if marker not in tokenizer.decode(ids):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if marker in tokenizer.decode(ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def find_stop(tokenizer, token_ids: list[int], stop: list[str], window: int) -> str | None:
     """The stop string that the last token completed, if any. Only the tail is decoded: a stop string
     completed earlier would already have ended the sample."""

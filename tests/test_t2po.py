@@ -208,14 +208,13 @@ def test_ppo_clip_loss_token_sums_and_clip_count():
     assert n_clipped.item() == 2
 
 
-def test_ppo_update_moves_the_policy_toward_positive_advantages():
+def test_update_moves_the_policy_toward_positive_advantages(tiny_policy):
     """One PPO iteration (one minibatch: π_old = the policy before the step) must change the weights, and
     raise the log-prob of a response with A > 0 while lowering one with A < 0 (a missing optimizer step,
     or a sign error, fails this)."""
     import numpy as np
 
-    from common.models import load_policy
-    model, _ = load_policy("tiny-random")
+    model, _ = tiny_policy
     good = dict(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23], mask=[1, 1, 1], advantage=1.0)
     bad = dict(prompt_ids=[11, 12, 13], response_ids=[31, 32, 33], mask=[1, 1, 1], advantage=-1.0)
 
@@ -751,11 +750,10 @@ def test_dual_clip_caps_the_loss_of_negative_advantage_tokens():
     assert t2po.Args().dual_clip == 3.0  # verl's actor default
 
 
-def test_rft_sft_loss_leaves_out_forced_tokens():
+def test_rft_sft_loss_leaves_out_forced_tokens(tiny_policy):
     """RFT's SFT loss (run.sft with t2po's log-likelihood), measured before the step: the mean NLL over
     mask-1 tokens only."""
-    from common.models import load_policy
-    model, _ = load_policy("tiny-random")
+    model, _ = tiny_policy
     sample = dict(prompt_ids=[11, 12], response_ids=[21, 22, 23, 24], mask=[1, 0, 0, 1])  # 22, 23 forced
     with torch.no_grad():
         logp, mask = t2po.turn_logprobs(model, [sample], 1.0)
@@ -783,15 +781,14 @@ def test_low_var_kl_is_k3_clamped_at_10_as_verl():
     assert t2po.low_var_kl(logp, ref)[0].tolist() == pytest.approx([0.106531, 10.0, 0.0], abs=1e-6)
 
 
-def test_ppo_update_reports_the_kl_to_its_reference():
+def test_update_reports_the_kl_to_its_reference(tiny_policy):
     """--kl-coef (on in the alfworld preset): the reported KL is the token-mean of min(e^x − x − 1, 10),
     x = log π_ref − log π_θ, over the policy tokens, with π_θ the policy before its one step."""
     import copy
 
     import numpy as np
 
-    from common.models import load_policy
-    model, _ = load_policy("tiny-random")
+    model, _ = tiny_policy
     reference = copy.deepcopy(model)
     with torch.no_grad():
         reference.lm_head.weight.mul_(3.0)  # a sharper reference: the KL is far from 0
