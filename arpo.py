@@ -582,7 +582,7 @@ def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
     r.generator.update_weights(r.model)
     run.say(f"[cold start] SFT on {len(demos)} expert demonstrations, {args.cold_start_epochs} epochs: "
             f"last-epoch loss {loss:.3f} ({time.time() - t0:.0f}s)")
-    return {}
+    return {"cold_start/episodes": len(demos), "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
 
 
 def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[dict], num_questions: int
@@ -678,6 +678,7 @@ def main(argv: list[str] | None = None) -> dict:
                             for i in range(args.tasks_per_step)])
         prompts = [build_prompt(r.tokenizer, *env.reset(t)) for t in tasks]
         rollouts = rollout(r.generator, r.tokenizer, env, prompts, args, rng)
+        t_rollout = time.time() - t0
         r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
         # 2. the hierarchical reward; GRPO advantages per question, attributed to the tree's tokens
         rewards, infos = score_rollouts(env, tasks, rollouts, r.tokenizer)
@@ -688,7 +689,8 @@ def main(argv: list[str] | None = None) -> dict:
         r.generator.update_weights(r.model)
         metrics = rollout_metrics(*gather_rollouts(rollouts, rewards, infos), args.tasks_per_step)
         line = {"step": step, **metrics, **stats, "time_s": time.time() - t_rl,
-                "step_time_s": time.time() - t0}
+                "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
+                "time_update_s": time.time() - t0 - t_rollout}  # the rest: reward, advantages, update
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             line.update(held_out())
         r.logger.log(line)

@@ -556,6 +556,7 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
     won, score, reward = (np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows else ([0.0],) * 3
     turns = max(1.0, stats["turns"])
     return {
+        f"{prefix}rollouts": len(rows),
         f"{prefix}success_rate": float(np.mean(won)),
         f"{prefix}score": float(np.mean(score)),
         f"{prefix}reward_mean": float(np.mean(reward)),
@@ -565,7 +566,7 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
         f"{prefix}tti_interventions": stats["tti_interventions"] / turns,
         f"{prefix}tti_wasted_tokens": stats["tti_wasted_tokens"],
         f"{prefix}tds_resamples": stats["tds_resamples"],
-        f"{prefix}invalid_format_rate": stats["invalid"] / turns,
+        f"{prefix}format_error_rate": stats["invalid"] / turns,
     }
 
 
@@ -578,7 +579,7 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
     m = summarise(episodes, stats, prefix="eval/")
     if stage:
         print(f"[{stage}] held-out success {m['eval/success_rate']:.3f}  score {m['eval/score']:.3f}  "
-              f"tokens/turn {m['eval/tokens_per_turn']:.1f}  invalid {m['eval/invalid_format_rate']:.2f}",
+              f"tokens/turn {m['eval/tokens_per_turn']:.1f}  invalid {m['eval/format_error_rate']:.2f}",
               flush=True)
     return m
 
@@ -663,7 +664,8 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
                    permute=lambda n: rng.permutation(n).tolist())
     r.generator.update_weights(r.model)
     run.say(f"[rft] SFT loss {loss:.3f}  ({time.time() - t0:.0f}s)")
-    return {"cold_start/samples": len(turns), "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
+    return {"cold_start/episodes": sum(ep["won"] for ep in episodes), "cold_start/samples": len(turns),
+            "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
 
 
 # Loss and update: PPO clip, token-mean over the minibatch, optional low-var KL.
@@ -832,10 +834,10 @@ def main(argv: list[str] | None = None) -> dict:
         r.extra["base"] = held_out("base", 0)
         r.logger.log({"step": 0, **r.extra["base"]})
     if args.cold_start and "cold_start" not in r.extra:
-        cold_start(r, env, options, train_tasks, args)
+        log = cold_start(r, env, options, train_tasks, args)
         r.extra["cold_start"] = held_out("rft", 0)
-        r.logger.log({"step": 0, **{k.replace("eval/", "eval_cold_start/"): v
-                                    for k, v in r.extra["cold_start"].items()}})
+        r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
+                                           for k, v in r.extra["cold_start"].items()}})
         run.save(r, args, 0)
     t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
     for step in range(r.start_step, args.steps):

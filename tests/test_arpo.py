@@ -468,7 +468,8 @@ def test_cold_start_trains_on_the_expert_tokens_only(monkeypatch):
     monkeypatch.setattr(run, "sft", lambda *a, **k: losses.append(real_sft(*a, **k)) or losses[-1])
     r = SimpleNamespace(model=model, policy=model, tokenizer=tokenizer, device="cpu",
                         generator=SimpleNamespace(update_weights=pushed.append))
-    assert arpo.cold_start(r, env, [task], arpo.Args(cold_start_lr=0.0, micro_batch_size=4)) == {}
+    log = arpo.cold_start(r, env, [task], arpo.Args(cold_start_lr=0.0, micro_batch_size=4))
+    assert log["cold_start/episodes"] == 1 and log["cold_start/loss"] == losses[0]
     assert pushed == [model]  # the generator samples from the fine-tuned weights
     demo = arpo.demo_rollout(tokenizer, env.expert_demo(env.reset(task)[0]))
     prompt = arpo.build_prompt(tokenizer, *env.reset(task))

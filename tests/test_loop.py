@@ -348,7 +348,7 @@ def test_torchrun_training_run_logs_global_metrics_and_resumes_on_one_process(tm
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in lines if "reward_mean" in x]
     assert [x["step"] for x in train] == [1, 2]
-    assert all(x["rollouts"] == 6 and x["turns_mean"] == 2.0 for x in train)  # toy: 2 turns, all ranks
+    assert all(x["rollouts"] == 6 and x["turns_per_episode"] == 2.0 for x in train)  # toy: 2 turns, all ranks
     assert sum("eval/success_rate" in x for x in lines) == 2  # before and after, rank 0 only
     assert proc.stdout.count("held-out success") == 1
     assert (out / "checkpoints" / "step_2").is_dir()

@@ -433,7 +433,7 @@ def test_chunked_tti_equals_online_rule_token_for_token(tiny):
 
 TRAIN_KEYS = ("step", "reward_mean", "success_rate", "num_tokens", "time_s", "loss", "score", "clip_fraction",
               "tokens_per_turn", "think_tokens_per_turn", "turns_per_episode", "tti_interventions",
-              "tds_resamples", "invalid_format_rate", "time_rollout_s", "time_update_s")
+              "tds_resamples", "format_error_rate", "time_rollout_s", "time_update_s")
 
 
 @pytest.mark.slow
@@ -485,7 +485,7 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
     for line in train:
         assert all(key in line for key in TRAIN_KEYS)
         assert line["tds_resamples"] == 4 * 1 * 2  # 4 episodes × 1 turn with k > 0 × B_max
-        assert line["invalid_format_rate"] == 1.0 and line["num_tokens"] > 0
+        assert line["format_error_rate"] == 1.0 and line["num_tokens"] > 0
     assert summary["base"]["eval/tds_resamples"] == 0 and summary["rl"]["eval/tds_resamples"] == 0
     assert lines[-1]["step"] == 2 and "eval/success_rate" in lines[-1]
 
