@@ -9,7 +9,7 @@
 and reused by later runs.)
 
 T²PO (`python t2po.py`'s setting: TextWorld level 2, the default run's RFT, then training rollouts at
-T 0.7 with TTI and TDS on, B_max 1), through benchmarks/t2po_tds.py's `real_turns`:
+T 0.7 with TTI and TDS on, B_max 1), through benchmarks/studies/t2po_tds.py's `real_turns`:
 - TTI fire rate: the fraction of generated turn responses (first samples and TDS resamples) in which TTI
   cut the thinking, split into the ε rule (mean |ΔM| < ε) and the L_max cap; also per kept turn (the
   run's own `tti_interventions`).
@@ -27,7 +27,7 @@ T 0.7 with TTI and TDS on, B_max 1), through benchmarks/t2po_tds.py's `real_turn
   --t2po-flags="--expert-thoughts long --max-new-tokens 96 --tti-epsilon 0.08 --tds-eta 0.025 --seed 1"
 
 ARPO (`python arpo.py`'s defaults, tools env, after its cold start), through
-benchmarks/arpo_fork_rates.py's recorder: at each tool result, ΔH under both step-entropy estimators
+benchmarks/studies/arpo_fork_rates.py's recorder: at each tool result, ΔH under both step-entropy estimators
 (topk: the authors', exact: ours) from the same tokens; the fork probability each implies per tool result,
 P = clip(1 − τ + β·ΔH, 0, 1), and the forks the run made per tool call run. Then one `update` (fresh
 AdamW, lr as the default) from the same rollouts, all questions in one batch, under soft attribution
@@ -52,7 +52,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "studies"))  # the one-off studies it builds on
 sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402

@@ -38,9 +38,7 @@ def test_relative_difference_over_all_parameters():
 
 
 def test_t2po_flags_reach_the_measured_setting_on_top_of_the_default_run(monkeypatch):
-    import sys
 
-    sys.path.insert(0, mechanisms.HERE)  # where mechanisms.py finds t2po_tds
     import t2po_tds
 
     from common import run
@@ -61,9 +59,7 @@ def test_t2po_flags_reach_the_measured_setting_on_top_of_the_default_run(monkeyp
 
 
 def test_tds_separation_by_hand_and_none_without_repeats():
-    import sys
 
-    sys.path.insert(0, mechanisms.HERE)
     import t2po_tds
 
     def record(repeat: bool, gamma: float) -> dict:

@@ -10,8 +10,8 @@ P = clip(1 - tau + beta * dH, 0, 1) (alpha ~ U(0, 1), docs/arpo.md). Printed: th
 the dH quantiles, the mean fork probability per tool result under each estimator, and the forks the run
 actually made (under the estimator it ran with, `--entropy`).
 
-    python benchmarks/arpo_fork_rates.py --threads 1                      # 8 questions, M = 4, N = 2
-    python benchmarks/arpo_fork_rates.py --threads 1 --questions 4 --json out.json
+    python benchmarks/studies/arpo_fork_rates.py --threads 1                      # 8 questions, M = 4, N = 2
+    python benchmarks/studies/arpo_fork_rates.py --threads 1 --questions 4 --json out.json
 """
 
 import argparse
@@ -21,7 +21,7 @@ import random
 import sys
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -110,7 +110,7 @@ def main() -> None:
     # the recorder's dH under the run's estimator is the rollout's own (a fork starts with an empty list)
     own = sorted(d for r in rollouts for d in r.delta_h)
     assert np.allclose(sorted(d[args.entropy] for d in decisions), own, rtol=0, atol=1e-9), "recorder off"
-    result = {"command": "python benchmarks/arpo_fork_rates.py " + " ".join(sys.argv[1:]),
+    result = {"command": "python benchmarks/studies/arpo_fork_rates.py " + " ".join(sys.argv[1:]),
               "questions": len(tasks), "rollouts": len(rollouts), "tool_results_probed": len(decisions),
               "tool_calls_run": sum(r.tool_calls[t] - r.shared_calls[t]
                                     for r in rollouts for t in arpo.TOOL_TAGS),

@@ -1,8 +1,8 @@
 """Response tokens of ARPO's scripted-expert demonstrations per question kind, for each number of
 passages per search: which kinds fit `--max-new-tokens` (docs/arpo.md, "Cold start").
 
-    python benchmarks/arpo_demo_lengths.py                  # topk 3, 2, 1; first 40 train + 40 held-out
-    python benchmarks/arpo_demo_lengths.py --topk 1 --n 100
+    python benchmarks/studies/arpo_demo_lengths.py          # topk 3, 2, 1; first 40 train + 40 held-out
+    python benchmarks/studies/arpo_demo_lengths.py --topk 1 --n 100
 """
 
 import argparse
@@ -10,7 +10,7 @@ import os
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from transformers import AutoTokenizer  # noqa: E402
 

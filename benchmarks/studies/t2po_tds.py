@@ -1,8 +1,8 @@
 """Which turns does T²PO's TDS resample? Its turn signal Φ before and after the one-scale change.
 
-    python benchmarks/t2po_tds.py --synthetic      # no model: Γ on synthetic turns, a few seconds
-    python benchmarks/t2po_tds.py --json tds.json  # the packaged model after the default run's RFT (~10 min)
-    python benchmarks/t2po_tds.py --from-json tds.json   # summarise the saved turns again
+    python benchmarks/studies/t2po_tds.py --synthetic      # no model: Γ on synthetic turns, a few seconds
+    python benchmarks/studies/t2po_tds.py --json tds.json  # the packaged model after the default RFT, ~10 min
+    python benchmarks/studies/t2po_tds.py --from-json tds.json   # summarise the saved turns again
 
 Before: Φ_k = geometric mean of M_t with M normalised over turn k alone and exact zeros floored at 1e-6.
 Now (t2po.tds_phis): M of turns k−1 and k on one min–max scale, exact zeros (the scale's anchor) left out.
@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import t2po  # noqa: E402
 
 
