@@ -447,7 +447,10 @@ def gigpo_advantages(episodes: list[dict], gamma: float, omega: float, std_norma
     A_E(i,t) = (R_i − p_t) − mean over i's group of each trajectory's mean score (R_j − mean_t p_t),
       R_i = Σ_t r_t  (episode level: baseline over trajectories, as the paper);
     A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group, G_t = Σ_{j≥t} γ^{j−t} r_j, the anchor
-      group holding every turn of the task group whose raw observation is this turn's (or similar)."""
+      group holding every turn of the task group whose raw observation is this turn's (or similar).
+    std_normalize (verl-agent's mean_std_norm): each part is divided by (std + 1e-6), the unbiased std of
+    the values it normalises: at the episode level the scores R_j − p_t of every turn of the group (a
+    group of one trajectory keeps std 1), at the step level the anchor group's G_t − p_t."""
     returns = [sum(t["reward"] for t in ep["turns"]) for ep in episodes]
     groups = [ep["group"] for ep in episodes]
     trajectory_scores = [r - sum(t["penalty"] for t in ep["turns"]) / max(1, len(ep["turns"]))
@@ -459,6 +462,10 @@ def gigpo_advantages(episodes: list[dict], gamma: float, omega: float, std_norma
         step_values += [g - t["penalty"] for g, t in zip(g_t, ep["turns"], strict=True)]
         episode_values += [r - t["penalty"] for t in ep["turns"]]
         episode_keys += [ep["group"]] * len(ep["turns"])
+    if std_normalize:  # the std of the turn scores being normalised, not of the trajectories' means
+        turn_std = {g: std for g, (_, std) in group_stats(episode_values, episode_keys, False).items()}
+        episode_stats = {g: (mean, turn_std.get(g, std) if groups.count(g) > 1 else std)
+                         for g, (mean, std) in episode_stats.items()}
     a_episode = group_normalise(episode_values, episode_keys, std_normalize, True, episode_stats)
     a_step = group_normalise(step_values, anchor_keys(episodes, similarity), std_normalize, False)
     flat = iter(a + omega * b for a, b in zip(a_episode, a_step, strict=True))

@@ -183,6 +183,37 @@ def test_similar_anchor_observations_group_below_threshold():
     assert t2po.gigpo_advantages([a, b], 0.95, 1.0, False, similarity=0.95) == [[5.0], [-5.0]]
 
 
+def turn(penalty: float, anchor: str, reward: float = 0.0) -> dict:
+    return dict(reward=reward, penalty=penalty, anchor=anchor)
+
+
+def test_gigpo_std_normalize_divides_by_the_std_of_the_turn_scores():
+    """mean_std_norm (the alfworld and search presets). Two trajectories of one group, reward 0, a 0.1
+    penalty on a different turn of each; only the first observation is shared. Before this fix the episode
+    std was that of the trajectories' mean scores (both -1/30: std 0) and ±0.1 was divided by 1e-6."""
+    eps = [dict(group=0, turns=[turn(0.1, "s0"), turn(0.0, "s1"), turn(0.0, "s2")]),
+           dict(group=0, turns=[turn(0.0, "s0"), turn(0.1, "s1x"), turn(0.0, "s2x")])]
+    # episode level: turn scores -0.1, 0, 0, 0, -0.1, 0; baseline -1/30; unbiased std over the six:
+    # deviations -1/15 (x2), +1/30 (x4): sum of squares 1/75, / 5 -> std = 1/sqrt(375) = 0.0516398
+    # -> A_E = -(1/15)·sqrt(375) = -1.290994 for a penalised turn, +(1/30)·sqrt(375) = 0.645497 otherwise
+    # step level: anchor s0 holds -0.1 and 0: mean -0.05, std sqrt(0.005) = 0.0707107 -> ∓0.707107;
+    # every other anchor is alone: 0
+    adv = t2po.gigpo_advantages(eps, gamma=0.95, omega=1.0, std_normalize=True)
+    assert adv[0] == pytest.approx([-1.290994 - 0.707107, 0.645497, 0.645497], abs=1e-4)
+    assert adv[1] == pytest.approx([0.645497 + 0.707107, -1.290994, 0.645497], abs=1e-4)
+
+
+def test_gigpo_std_normalize_all_equal_and_single_trajectory_groups():
+    # every turn score equal (both won, no penalty): std 0, every deviation 0 -> advantages 0, not NaN
+    won = [dict(group=0, turns=[turn(0.0, "a"), turn(0.0, "b", reward=10.0)]) for _ in range(2)]
+    assert t2po.gigpo_advantages(won, gamma=0.95, omega=1.0, std_normalize=True) == [[0.0, 0.0]] * 2
+    # a group of one trajectory: baseline 0 and std 1 at the episode level (not the std of its two turn
+    # scores, 9.9 and 10, which is 0.0707 and would multiply them by 14); alone at every anchor: A_S = 0
+    alone = [dict(group=0, turns=[turn(0.1, "a"), turn(0.0, "b", reward=10.0)])]
+    adv = t2po.gigpo_advantages(alone, gamma=0.95, omega=1.0, std_normalize=True)
+    assert adv == [pytest.approx([9.9 / (1 + 1e-6), 10 / (1 + 1e-6)])]
+
+
 def test_group_normalise_std():
     # [1, 2, 3]: mean 2, unbiased std 1 -> [-1, 0, 1] / (1 + 1e-6)
     got = t2po.group_normalise([1.0, 2.0, 3.0], ["g"] * 3, std_normalize=True, singleton_mean_zero=True)
