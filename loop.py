@@ -487,8 +487,7 @@ def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
     out = {"rollouts": n, "reward_mean": total(r.reward for r in rollouts) / n,
            "success_rate": total(r.won for r in rollouts) / n,
            "num_tokens": int(sampled), "tokens_per_turn": sampled / max(turns, 1.0),
-           "sequence_tokens": int(total(len(r.ids) for r in rollouts)),  # prompts, replies and actions
-           "turns_per_episode": turns / n,
+           "sequence_tokens": int(total(len(r.ids) for r in rollouts)), "turns_per_episode": turns / n,
            "truncated_fraction": total(r.truncated for r in rollouts) / n,
            "env_errors": int(total(r.env_error is not None for r in rollouts)),
            "filtered_fraction": 1.0 - n_kept / n}

@@ -106,26 +106,30 @@ class Args(RunArgs):
         "once the action is written: what TTI is meant to cut; needs --max-new-tokens 96)")
 
 
-# The paper's settings per environment (T²PO's scripts on verl-agent, examples/*_trainer/train_*.sh); a flag
-# given explicitly wins. total_epochs=200 over a 16-task training set is 200 steps. They start from --model
-# with RFT off: the paper starts RL from its own RFT checkpoints (RFT_CHECKPOINTS), as check_args says.
+# The paper's settings per environment (T²PO's scripts on verl-agent, examples/*_trainer/train_*.sh; webshop
+# validates on the 2 x 128 tasks its script prepares); a flag given explicitly wins. total_epochs=200 over a
+# 16-task training set is 200 steps. They start from --model with RFT off: the paper starts RL from its own
+# RFT checkpoints (RFT_CHECKPOINTS), as check_args says.
 PRESETS: dict[str, dict] = {
     "webshop": dict(group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
-                    history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
+                    history_length=2, tti_max_think=450, eval_tasks=256, steps=200, cold_start=False,
                     minibatch_size=128),
     "alfworld": dict(group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6,
                      history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
                      std_normalize=True, kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True),
     # search: group 5, 256 questions, 4 turns, history 4, similarity grouping, one epoch over the data
     "search": dict(group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
-                   history_length=4, tti_max_think=450, eval_tasks=256, epochs=1, cold_start=False,
+                   history_length=4, tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False,
                    std_normalize=True, step_similarity=0.9, minibatch_size=256),
 }
-for _preset in PRESETS.values():
+for _preset in PRESETS.values():  # and verl's AdamW weight decay, 0.01
     _preset.update(max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
-                   gradient_checkpointing=True)
-# the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their README's link)
-RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5"}
+                   gradient_checkpointing=True, weight_decay=0.01)
+for _env in ("webshop", "alfworld"):  # their scripts' validation sampling
+    PRESETS[_env].update(eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20)
+# the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their scripts' MODEL)
+RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
+                   "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
 # webshop-lite on a CPU (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
 # observation format, which drops the page header that repeats the instruction.
 PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",

@@ -632,6 +632,14 @@ def test_presets_follow_the_official_scripts():
     assert (search.std_normalize, search.step_similarity, search.minibatch_size) == (True, 0.9, 256)
     assert search.epochs == 1
     assert preset("search", "--steps", "7").epochs == 0  # an explicit --steps wins over the epoch count
+    # every script: verl's AdamW weight decay 0.01 (not overridden); validation: train_webshop.sh prepares
+    # 2 x 128 tasks, train_search.sh 512; webshop and alfworld sample at T 0.6, top-p 0.95, top-k 20
+    assert (shop.weight_decay, alf.weight_decay, search.weight_decay) == (0.01, 0.01, 0.01)
+    assert (shop.eval_tasks, alf.eval_tasks, search.eval_tasks) == (256, 128, 512)
+    for p in (shop, alf):
+        assert (p.eval_temperature, p.eval_top_p, p.eval_top_k) == (0.6, 0.95, 20)
+    assert (search.eval_temperature, search.eval_top_k) == (0.0, 0)
+    assert t2po.RFT_CHECKPOINTS["alfworld"] == "willhx/Qwen3-4B-rft-alfworld-e5"
     assert "NOT from the paper's RFT checkpoints" in t2po.Args.__dataclass_fields__["preset"].metadata["help"]
 
 
