@@ -4,6 +4,7 @@ RFT filter, and an end-to-end run. Expected numbers are worked out by hand in th
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -558,6 +559,31 @@ def test_torchrun_script_end_to_end_then_resume_on_one_rank(tmp_path):
     summary = t2po.main(argv[:-2] + ["--steps", "3", "--resume", "--threads", "1", "--out", multi])
     assert [line["step"] for line in train_lines(multi)] == [1, 2, 3]  # 2 ranks wrote it, 1 resumed
     assert "eval/success_rate" in summary["rl"]
+
+
+@pytest.mark.slow
+def test_torchrun_rank_without_a_task_group_takes_part(tmp_path):
+    """Fewer task groups than ranks (issue 26): `--tasks-per-step 1` on 2 ranks leaves rank 1 without a
+    group. It must still run every collective: a zero-weight placeholder whose one target token keeps its
+    backward connected (before: 'element 0 of tensors does not require grad'), also through the recomputed
+    old log-probs (`--minibatch-size 1`: two minibatches) and the KL term's reference. The step's rollout
+    metrics equal one process's."""
+    import subprocess
+
+    argv = ["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--group-size", "2",
+            "--tasks-per-step", "1", "--minibatch-size", "1", "--micro-batch-size", "1", "--kl-coef", "0.1",
+            "--max-turns", "2", "--max-new-tokens", "8", "--tti-chunk", "8", "--tti-min-think", "4",
+            "--lr", "1e-3", "--eval-tasks", "1", "--reward", "env", "--steps", "1"]
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    proc = subprocess.run(torchrun_command(os.path.join(ROOT, "t2po.py"), *argv, "--out", multi),
+                          env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    t2po.main(argv + ["--threads", "1", "--out", single])
+    two, one = ([line for line in map(json.loads, open(f"{out}/metrics.jsonl")) if "reward_mean" in line]
+                for out in (multi, single))
+    assert len(two) == len(one) == 1 and two[0]["rollouts"] == 2
+    for key in ("reward_mean", "score", "tokens_per_turn", "num_tokens", "loss", "kl"):
+        assert two[0][key] == pytest.approx(one[0][key], abs=1e-6), key
 
 
 def test_long_expert_thoughts_are_refused_outside_textworld(monkeypatch, tmp_path):
