@@ -50,7 +50,7 @@ _TESTS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
 
 
 def check_bounds(args, script: str) -> None:
-    """Every float flag finite, every number within its field's bounds; else one line, before anything loads."""
+    """Every float flag finite, every number within its bounds; else one line, before anything loads."""
     for field in dataclasses.fields(args):
         value, meta = getattr(args, field.name), metadata(type(args), field.name)
         if not isinstance(value, int | float) or isinstance(value, bool):

@@ -1,7 +1,7 @@
-"""What every script does the same way and no paper describes: the flags the three share (`RunArgs`), parsing
-with preset and bounds (`parse`), the environment (`make_env`), the run's set-up (`setup`: torchrun, run folder,
-seeds, model, generator, DDP/FSDP2, optimizer, resume, logger), the memory plan (`dry_run`), evaluation on
-rank 0 (`on_main`), the cold start's supervised fine-tuning (`sft`) and checkpoints (`save`).
+"""What every script does the same way and no paper describes: the flags the three share (`RunArgs`),
+parsing with preset and bounds (`parse`), the environment (`make_env`), the run's set-up (`setup`: torchrun,
+run folder, seeds, model, generator, DDP/FSDP2, optimizer, resume, logger), the memory plan (`dry_run`),
+evaluation on rank 0 (`on_main`), the cold start's supervised fine-tuning (`sft`) and checkpoints (`save`).
 
 A script's `main()` reads: parse -> envs -> setup -> base eval -> cold start -> for step: rollout; advantages;
 update; log -> final eval. Nothing here touches the algorithm: rollouts, signals, advantages and losses stay
@@ -15,8 +15,9 @@ import json
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -33,8 +34,8 @@ class RunArgs:
     """The flags every script shares, declared once; a script's `Args(RunArgs)` adds its algorithm's own and
     re-declares a shared one only to give it the script's default (`steps: int = 5`)."""
 
-    preset: str = opt("run", "auto", "settings filled into every flag not given (the script's PRESETS); auto: "
-                      "the one named after --env; none: the defaults")
+    preset: str = opt("run", "auto", "settings filled into every flag not given (the script's PRESETS); "
+                      "auto: the one named after --env; none: the defaults")
     env: str = opt("environment", "textworld", "environment name from envs/ (registry)")
     env_options: str = opt("environment", "{}", "JSON keyword arguments for the environment, e.g. "
                            "'{\"level\": 2}'")
@@ -56,8 +57,8 @@ class RunArgs:
     max_new_tokens: int = opt("rollout", 16, "token limit per agent turn (ARPO: per response)", ge=1)
     kl_coef: float = opt("algorithm", 0.0, "KL penalty to the initial policy (0 = off; with LoRA the "
                          "reference is the base model, adapter off)", ge=0)
-    cold_start: bool = opt("cold start", True, "supervised fine-tuning on successful expert episodes before RL "
-                           "(ours on the CPU: a 135M model never writes a valid action zero-shot)")
+    cold_start: bool = opt("cold start", True, "supervised fine-tuning on successful expert episodes before "
+                           "RL (ours on the CPU: a 135M model never writes a valid action zero-shot)")
     cold_start_episodes: int = opt("cold start", 8, "episodes collected for the cold start; 0 = off", ge=0)
     cold_start_epochs: int = opt("cold start", 1, "SFT passes over the cold start's episodes", ge=0)
     cold_start_lr: float = opt("cold start", 1e-4, "SFT learning rate (AdamW)", ge=0)
@@ -113,7 +114,7 @@ def parse(cls: type, argv: list[str] | None, presets: dict, check: Callable | No
 
 
 def dry_run(args, seq_len: int, **plan) -> dict:
-    """--dry-run: the per-rank memory plan of --model at this world size, from its shape alone (no weights)."""
+    """--dry-run: the per-rank memory plan of --model at this world size, from its shape (no weights)."""
     from common.plan import print_plan
     if dist.is_main():
         try:  # the engine decodes in bf16 on a GPU and sleeps while the policy trains
@@ -155,7 +156,7 @@ def make_env(args, **options):
 
 @dataclass
 class Run:
-    """What `setup` builds: `model` generates and is saved, `policy` (the same model under DDP/FSDP2) trains."""
+    """What `setup` builds: `model` generates and is saved; `policy` (it under DDP/FSDP2) trains."""
 
     model: torch.nn.Module
     policy: torch.nn.Module
@@ -170,8 +171,8 @@ class Run:
 
 
 def setup(args, desc: str) -> Run:
-    """torchrun, the run folder (args.json), the seeds, policy + tokenizer, generator, DDP/FSDP2, AdamW, --resume
-    and the metrics logger. Every rank calls it; only rank 0 writes."""
+    """torchrun, the run folder (args.json), the seeds, policy + tokenizer, generator, DDP/FSDP2, AdamW,
+    --resume and the metrics logger. Every rank calls it; only rank 0 writes."""
     script = script_name(args)
     device = dist.init()
     args.out = checkpoint.prepare_run_dir(script, args)  # writes args.json; before the model loads
