@@ -19,7 +19,8 @@ def _key(name: str):
 
 
 def _tokens_per_turn(row: dict) -> float | None:
-    """t2po logs tokens_per_turn; loop.py logs the total generated (action) tokens and turns per rollout."""
+    """tokens_per_turn where logged; older loop.py runs (committed results) logged action_tokens and
+    turns_mean instead."""
     if "tokens_per_turn" in row:
         return row["tokens_per_turn"]
     if {"action_tokens", "rollouts", "turns_mean"} <= row.keys() and row["rollouts"] * row["turns_mean"] > 0:
@@ -28,8 +29,8 @@ def _tokens_per_turn(row: dict) -> float | None:
 
 
 def _step_seconds(row: dict) -> float | None:
-    """Seconds one training step took: step_time_s where logged (t2po.py: its time_s counts from the start of
-    RL), else time_s (loop.py's is per step)."""
+    """Seconds one training step took: step_time_s (every script logs it now; time_s counts from the start of
+    RL), else time_s, which runs committed before step_time_s existed logged per step."""
     return row.get("step_time_s", row.get("time_s"))
 
 
