@@ -6,7 +6,9 @@ group and bounds are the base class's. `apply_preset` fills a named preset into 
 left alone."""
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import shlex
@@ -130,6 +132,9 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     Bad input (unknown or abbreviated flag, a value outside a Literal's choices, a non-number) ends in
     argparse's one-line error naming the flag, with exit status 2.
     """
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun a bad flag is reported once, by rank 0
+        with contextlib.redirect_stderr(io.StringIO()):
+            return cls(**vars(_parser(cls).parse_args(argv)))
     return cls(**vars(_parser(cls).parse_args(argv)))
 
 

@@ -209,6 +209,8 @@ def entrypoint(main):
                 finish()
             if isinstance(e, SystemExit) and isinstance(e.code, str):  # a user error: its one line only
                 print(f"[rank {rank()}] {e.code}", file=sys.stderr)
+            elif isinstance(e, SystemExit):  # argparse's exit(2): rank 0 has printed its message
+                pass
             else:
                 print(f"[rank {rank()}] {type(e).__name__}: {e}", file=sys.stderr)
                 traceback.print_exc()

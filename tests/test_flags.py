@@ -144,3 +144,18 @@ def test_the_default_runs_name_their_preset_first(capsys):
     assert capsys.readouterr().out.startswith("preset none: sets nothing\n")
     assert t2po.main(["--dry-run"]) == {}
     assert capsys.readouterr().out.startswith("preset textworld: --env-options ")
+
+
+@pytest.mark.slow
+def test_an_unknown_flag_under_torchrun_is_one_message_not_a_traceback_per_rank():
+    """Every rank parses the command line; rank 0 alone prints argparse's message and no rank prints a
+    traceback of ours (torchrun's launcher still reports the failed child in its own words)."""
+    import subprocess
+
+    from torchrun_util import ROOT, torchrun_command, torchrun_env
+
+    proc = subprocess.run(torchrun_command(f"{ROOT}/loop.py", "--bogus", "1"), env=torchrun_env(),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("unrecognized arguments: --bogus 1") == 1, proc.stderr[-2000:]
+    assert "common/cli.py" not in proc.stderr and "[rank 1] SystemExit" not in proc.stderr
