@@ -370,10 +370,7 @@ def tds_phis(prev: dict, cur: dict, alpha: float) -> tuple[float, float]:
 def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
     """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0). Like the official code, a change of exactly 0 is
     skipped (it means no signal, e.g. both turns empty)."""
-    if phi_prev is None:
-        return False
-    gamma_k = abs(phi - phi_prev)
-    return 0 < gamma_k < eta
+    return phi_prev is not None and 0 < abs(phi - phi_prev) < eta
 
 
 def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
@@ -415,11 +412,8 @@ def group_normalise(values: list[float], keys: list, std_normalize: bool, single
                     stats: dict | None = None) -> list[float]:
     """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std) if not of `values`."""
     stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
-    out = []
-    for k, v in zip(keys, values, strict=True):
-        mean, std = stats[k]
-        out.append((v - mean) / (std + 1e-6) if std_normalize else v - mean)
-    return out
+    return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
+            for k, v in zip(keys, values, strict=True)]
 
 
 def anchor_keys(episodes: list[dict], similarity: float) -> list[tuple]:
@@ -525,10 +519,8 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         texts = [tokenizer.decode(o["ids"], skip_special_tokens=True) for o in outs]
         parsed = [parse_response(t, (infos[i].get("admissible_actions") or None) if args.inadmissible_invalid
                                  else None) for t, i in zip(texts, active, strict=True)]
-        actions: list[str | None] = [None] * n
-        for j, i in enumerate(active):
-            actions[i] = parsed[j][0]
-        results = pool.step(actions)
+        acting = dict(zip(active, (action for action, _ in parsed), strict=True))
+        results = pool.step([acting.get(i) for i in range(n)])  # None: the episode is over
         for j, i in enumerate(active):
             next_obs, env_reward, env_done, info = results[i]
             action, valid = parsed[j]
@@ -557,13 +549,11 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
     """Rollout metrics; gather=True (training, under torchrun): over every rank's episodes."""
     rows = [(ep["won"], ep["score"], sum(t["reward"] - t["penalty"] for t in ep["turns"]))
             for ep in episodes]
-    if gather:
+    if gather:  # every rank's rows; their counters summed in rank order
         parts = dist.all_gather_object((rows, dict(stats)))
-        rows = [r for part, _ in parts for r in part]
-        stats = defaultdict(float)
-        for _, part in parts:
-            for k, v in part.items():
-                stats[k] += v
+        rows, stats = [r for part, _ in parts for r in part], defaultdict(float)
+        for key, value in ((k, v) for _, part in parts for k, v in part.items()):
+            stats[key] += value
     won, score, reward = (np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows else ([0.0],) * 3
     turns = max(1.0, stats["turns"])
     return {
