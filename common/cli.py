@@ -12,6 +12,7 @@ import io
 import math
 import os
 import shlex
+import time
 import types
 import typing
 from typing import Literal, TypeVar
@@ -133,8 +134,13 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     argparse's one-line error naming the flag, with exit status 2.
     """
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun a bad flag is reported once, by rank 0
-        with contextlib.redirect_stderr(io.StringIO()):
-            return cls(**vars(_parser(cls).parse_args(argv)))
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                return cls(**vars(_parser(cls).parse_args(argv)))
+        except SystemExit as e:
+            if e.code:  # rank 0 parses the same argv: let it print before torchrun stops every rank
+                time.sleep(10)
+            raise
     return cls(**vars(_parser(cls).parse_args(argv)))
 
 
