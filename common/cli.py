@@ -68,7 +68,6 @@ def check_bounds(args, script: str) -> None:
 
 
 def _add_field(parser, field: dataclasses.Field, hint, meta: dict) -> None:
-    flag = "--" + field.name.replace("_", "-")
     kwargs: dict = {"help": meta.get("help", ""), "dest": field.name}
     if field.default is not dataclasses.MISSING:
         kwargs["default"] = field.default
@@ -90,7 +89,7 @@ def _add_field(parser, field: dataclasses.Field, hint, meta: dict) -> None:
         kwargs["type"] = type_args[0] if type_args else str
     else:
         kwargs["type"] = hint
-    parser.add_argument(flag, **kwargs)
+    parser.add_argument(flag(field.name), **kwargs)
 
 
 # --help sections, in this order; a field without a "group" goes under "other"
@@ -133,15 +132,14 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     Bad input (unknown or abbreviated flag, a value outside a Literal's choices, a non-number) ends in
     argparse's one-line error naming the flag, with exit status 2.
     """
-    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun a bad flag is reported once, by rank 0
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):
-                return cls(**vars(_parser(cls).parse_args(argv)))
-        except SystemExit as e:
-            if e.code:  # rank 0 parses the same argv: let it print before torchrun stops every rank
-                time.sleep(10)
-            raise
-    return cls(**vars(_parser(cls).parse_args(argv)))
+    other_rank = int(os.environ.get("RANK", "0")) > 0  # under torchrun rank 0 alone reports a bad flag
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) if other_rank else contextlib.nullcontext():
+            return cls(**vars(_parser(cls).parse_args(argv)))
+    except SystemExit as e:
+        if other_rank and e.code:  # rank 0 parses the same argv: let it print before torchrun stops all
+            time.sleep(10)
+        raise
 
 
 def given_fields(cls: type, argv: list[str]) -> set[str]:
@@ -155,10 +153,9 @@ def given_fields(cls: type, argv: list[str]) -> set[str]:
 
 
 def _as_flag(name: str, value) -> str:
-    flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
-        return flag if value else "--no-" + name.replace("_", "-")
-    return f"{flag} {shlex.quote(str(value))}"
+        return flag(name) if value else "--no-" + flag(name)[2:]
+    return f"{flag(name)} {shlex.quote(str(value))}"
 
 
 def apply_preset(args: T, argv: list[str], presets: dict[str, dict], *,

@@ -209,9 +209,7 @@ def entrypoint(main):
                 finish()
             if isinstance(e, SystemExit) and isinstance(e.code, str):  # a user error: its one line only
                 print(f"[rank {rank()}] {e.code}", file=sys.stderr)
-            elif isinstance(e, SystemExit):  # argparse's exit(2): rank 0 has printed its message
-                pass
-            else:
+            elif not isinstance(e, SystemExit):  # not argparse's exit(2), whose message rank 0 printed
                 print(f"[rank {rank()}] {type(e).__name__}: {e}", file=sys.stderr)
                 traceback.print_exc()
             sys.stderr.flush()
