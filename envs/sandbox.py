@@ -11,6 +11,7 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
 (`SandboxLimits(namespaces=False)` forces C, for tests). Layers, each one independent of the others:
 - wall-clock timeout (the whole process group is SIGKILLed), RLIMIT_CPU, RLIMIT_AS (memory),
   RLIMIT_FSIZE (stdout goes to a file, so printing 100 MB stops at the limit), RLIMIT_NOFILE, no core files;
+  the runner walks the working directory every 50 ms and stops the call past `disk_mb` or `max_files`;
 - one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork, vfork, clone
   without CLONE_THREAD and clone3 (threads still work), so RLIMIT_AS and RLIMIT_CPU hold for the call as
   a whole without cgroups (which need root or a delegated systemd slice) and nothing can leave the
@@ -19,18 +20,24 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
   setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of itself only (prlimit64,
   sched_set*, setpriority), no io_uring (it would bypass the filter), no mount/unshare/setns, no
   sockets but socketpair(AF_UNIX, SOCK_STREAM) -- AF_INET/AF_INET6 too where a network namespace
-  covers them -- so host unix sockets (X11, D-Bus) stay out of reach;
+  covers them -- so host unix sockets (X11, D-Bus) stay out of reach; no SysV IPC, POSIX message queues
+  or memfd (memory outside RLIMIT_AS, objects that outlive the call), no xattr writes, no file locks or
+  leases (a channel between concurrent calls), no F_SETOWN (I/O signals to other processes), fallocate
+  "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no chmod, chown or file times, and
+  with Landlock ABI < 3 no truncate(path) (Landlock has no right for these);
 - privileges dropped after the mounts are set up: as root (A) an unused uid per call, every capability
   and the bounding set gone; in a user namespace (B) a nested user namespace maps the code to uid 1000
   and every capability is dropped, so the code is not root and cannot unmount or remount anything;
-  in C as root (no uid can reach the interpreter) it stays uid 0 with no capability and root's
-  securebits locked; PR_SET_NO_NEW_PRIVS always. The child checks /proc/self/status before it runs;
+  in C as root an unused uid too, which must reach the interpreter (not under /root): where it cannot,
+  the code is not run (uid 0 may chmod, utime and truncate the host's files by name and is not bound by
+  RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child checks /proc/self/status before it runs;
 - Landlock (Linux >= 5.13, unprivileged): reads only of the python installation, /usr, /lib*, a few
   /etc files, /proc/self, the cpu topology and the working directory; writes only to the working
   directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets out of
   the domain (ABI >= 6). Kernel-enforced whatever path the code builds (dir_fd, /proc/self/root, ctypes);
 - a fresh temporary working directory (also HOME and TMPDIR), a scrubbed environment; it is removed
-  without recursion, whatever the code left in it (deep trees, chmod 000 folders);
+  without recursion, whatever the code left in it (deep trees, chmod 000 folders), by a background thread
+  (`wait_for_cleanup`), so a call takes its timeout plus a small constant;
 - namespaces where the OS allows them: no network (a new network namespace has only a loopback device
   that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the runner exits the
   kernel kills every process left in it), a private mount namespace in which home directories and the
@@ -39,10 +46,10 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
 - a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory and the
   python installation (dir_fd included), writes outside the working directory, sockets and new
   processes. It is not a security boundary (ctypes goes around it); it gives the model clear messages.
-Where the kernel gives no file isolation (no mount namespace, no Landlock) or no process isolation (no
-namespaces, no seccomp), `run_python` refuses to run code unless `SandboxLimits(unsafe=True)` accepts
-the risk. `isolation()` reports which layers this machine provides. Nothing here raises on bad code:
-the caller gets the output, or an error string that says what happened.
+Where the kernel gives no file isolation (no mount namespace, no Landlock), no process isolation (no
+namespaces, no seccomp) or, as root, no spare uid, `run_python` refuses to run code unless
+`SandboxLimits(unsafe=True)` accepts the risk. `isolation()` reports which layers this machine provides.
+Nothing here raises on bad code: the caller gets the output, or an error string that says what happened.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+DISK_EXIT = 200  # the runner's exit status when the working directory went over its limits
 UID_BASE, UID_SPAN = 40000, 20000  # per-call uids (A): no two calls share files or signals
 _uid_counter = itertools.count(os.getpid() * 101)  # offset by pid: trainer processes (ranks) rarely collide
 _uid_lock = threading.Lock()
@@ -75,6 +83,8 @@ class SandboxLimits:
     memory_mb: int = 1024  # RLIMIT_AS of the call's only process: a little above what the code really uses
     nproc: int = 32  # threads (RLIMIT_NPROC; new processes are refused anyway)
     file_size_mb: int = 8  # any file written, stdout included
+    disk_mb: int = 64  # everything in the working directory together (checked every 50 ms)
+    max_files: int = 1000  # files and folders in the working directory (bounds the clean-up too)
     open_files: int = 64
     max_output_chars: int = 4000
     max_code_chars: int = 100_000
@@ -86,7 +96,7 @@ class SandboxLimits:
 @dataclass
 class SandboxResult:
     output: str  # what the model sees: stdout+stderr, truncated, or an error line first
-    # None, "timeout", "cpu", "memory", "output_limit", "killed", "exit", "rejected", "refused"
+    # None, "timeout", "cpu", "memory", "output_limit", "disk", "killed", "exit", "rejected", "refused"
     error: str | None
     seconds: float
 
@@ -95,6 +105,7 @@ class SandboxResult:
 RUNNER = r'''
 import ast, ctypes, json, linecache, os, posix, resource, signal, stat, struct, sys, traceback
 cfg = json.loads(sys.argv[1])
+DISK_EXIT = cfg["disk_exit"]
 code = sys.stdin.read()
 wd = cfg["wd"]
 libc = ctypes.CDLL(None, use_errno=True)
@@ -158,7 +169,7 @@ def drop_privileges():
                   if ":\t" in line)
     held = [k for k in ("CapEff", "CapPrm", "CapAmb") + (("CapBnd",) if root else ()) if int(status[k], 16)]
     need(not held and status["NoNewPrivs"].strip() == "1", f"privilege drop (still held: {held})")
-    need(not cfg["userns"] or os.geteuid() != 0, "privilege drop (still uid 0)")
+    need(os.geteuid() != 0 or cfg["unsafe"], "privilege drop (still uid 0)")
 
 ETC = ["/etc/localtime", "/etc/timezone", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
        "/etc/os-release", "/etc/mime.types", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts",
@@ -206,6 +217,9 @@ def seccomp():
     ret = lambda k: (0x06, 0, 0, k)
     arg = lambda i: ld(16 + 8 * i)
     only = lambda nr, *body: [jeq(nr, 0, len(body)), *body]
+    # syscall nr with argument i equal to one of values: EPERM
+    refuse = lambda nr, i, values: only(nr, arg(i), *[jeq(v, len(values) - j, 0)
+                                                      for j, v in enumerate(values)], ret(ALLOW), ret(DENY))
     prog = [ld(4), jeq(0xC000003E, 1, 0), ret(KILL), ld(0), (0x35, 0, 1, 0x40000000), ret(DENY)]  # x32: no
     for nr in (62, 234, 129, 297):  # kill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo: to itself only
         prog += only(nr, arg(0), jeq(me, 0, 1), ret(ALLOW), ret(DENY))
@@ -229,8 +243,22 @@ def seccomp():
               272, 308, 165, 166, 155, 161, 428, 429, 430, 431, 432, 433, 442,  # namespaces and mounts
               321, 298, 323, 250, 248, 249, 175, 313, 176, 246, 320, 172, 173, 304, 303,  # bpf ... by_handle
               251, 440, 448, 254, 300, 301, 103]  # ioprio_set, process_madvise/mrelease, (fa)notify, syslog
+    # the host's SysV IPC and POSIX message queues (set-up C has no ipc namespace), memfd: memory outside
+    # RLIMIT_AS; xattr writes: Landlock does not cover them (a note one call leaves for the next)
+    denied += [29, 30, 31, 64, 65, 66, 67, 68, 69, 70, 71, 220, 240, 241, 242, 243, 244, 245, 319, 447,
+               188, 189, 190, 197, 198, 199, 463, 466,
+               73]  # flock: a lock on a readable host file is a channel between concurrent calls
+    denied += [76] if cfg["landlock"] < 3 else []  # truncate(path): Landlock covers it from ABI 3
+    if not cfg["mounts"]:  # C: no read-only mounts, and Landlock has no right for chmod, chown, file times
+        denied += [90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280]
     for nr in denied:
         prog += only(nr, ret(DENY))
+    # fcntl: no record locks or leases (the flock channel again), no signal owner (F_SETOWN + F_SETSIG
+    # would send SIGKILL on I/O to any process of the same uid; Landlock scopes signals from ABI 6 only)
+    prog += refuse(72, 1, (6, 7, 37, 38, 1024, 8, 10, 15, 1026))
+    prog += refuse(16, 1, (0x8901, 0x8902))  # ioctl FIOSETOWN, SIOCSPGRP: F_SETOWN's other spellings
+    # fallocate reserves disk without writing: "not supported" makes libc's posix_fallocate write instead
+    prog += only(285, ret(0x50000 | 95))
     prog.append(ret(ALLOW))
     filt = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
     fprog = ctypes.create_string_buffer(struct.pack("HQ", len(prog), ctypes.addressof(filt)))
@@ -239,14 +267,49 @@ def seccomp():
 if cfg["mounts"]:
     private_mounts()
 
+def disk_over():
+    # the working dir is the code's only writable place: its blocks and entries, walked every 50 ms
+    used, entries, todo = 0, 0, [wd]
+    while todo:
+        d = todo.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    used, entries = used + st.st_blocks * 512, entries + 1
+                    if stat.S_ISDIR(st.st_mode):
+                        todo.append(e.path)
+        except PermissionError:  # a folder the code closed (chmod 000): opened again, walked again
+            if not os.access(d, os.R_OK | os.X_OK):
+                try:
+                    os.chmod(d, 0o700)
+                    todo.append(d)
+                except OSError:
+                    pass
+        except FileNotFoundError:
+            pass
+        except OSError:  # a path past PATH_MAX: deeper than the entry limit allows
+            return True
+        if used > cfg["disk_mb"] * MB or entries > cfg["max_files"]:
+            return True
+    return False
+
+MB = 1024 * 1024
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # the runner wakes on the child's exit at once
 pid = os.fork()
 if pid:  # pid 1 of the namespace: reap, then report the child's status; exiting kills the rest
     while True:
         try:
-            got, status, usage = os.wait4(-1, 0)
+            got, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             os._exit(0)
-        if got == pid:
+        if got == 0:
+            if disk_over():
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os._exit(DISK_EXIT)
+            signal.sigtimedwait([signal.SIGCHLD], 0.05)
+        elif got == pid:
             if not os.WIFSIGNALED(status):
                 os._exit(os.WEXITSTATUS(status))
             sig = os.WTERMSIG(status)
@@ -255,7 +318,7 @@ if pid:  # pid 1 of the namespace: reap, then report the child's status; exiting
                 sig = signal.SIGXCPU
             os._exit(128 + sig)
 
-MB = 1024 * 1024
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))
 resource.setrlimit(resource.RLIMIT_AS, (cfg["memory_mb"] * MB, cfg["memory_mb"] * MB))
@@ -277,7 +340,7 @@ def where(path, dir_fd=None):
     if isinstance(path, int):
         return os.path.realpath(os.readlink(f"/proc/self/fd/{path}"))
     path = os.fsdecode(path)
-    if dir_fd is not None and not os.path.isabs(path):
+    if dir_fd is not None and dir_fd >= 0 and not os.path.isabs(path):  # -1: none (the cwd)
         path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
     return os.path.realpath(path)
 
@@ -399,7 +462,8 @@ def _next_uid() -> int:
 
 
 def _command(cfg: dict, namespaces: list[str]) -> list[str]:
-    return [*namespaces, sys.executable, "-I", "-X", "utf8", "-c", RUNNER, json.dumps(cfg)]
+    # -u: what the code printed before the kernel killed it (SIGSYS, SIGKILL) is in the output
+    return [*namespaces, sys.executable, "-I", "-u", "-X", "utf8", "-c", RUNNER, json.dumps(cfg)]
 
 
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run", "/sbin", "/sys",
@@ -430,8 +494,9 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
     return {"wd": os.path.realpath(wd), "uid": uid, "mounts": mounts, "keep": keep, "protect": protect,
             "hide": [p for p in protect if not _is_system_dir(p)], "userns": "--user" in namespaces,
             "net_ns": bool(namespaces), **kernel, "guard": limits.guard, "cpu_s": limits.cpu_s,
-            "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb,
-            "open_files": limits.open_files, "nproc": limits.nproc}
+            "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
+            "max_files": limits.max_files, "disk_exit": DISK_EXIT, "open_files": limits.open_files,
+            "nproc": limits.nproc, "unsafe": limits.unsafe}
 
 
 def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict) -> bool:
@@ -440,7 +505,7 @@ def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict) -
         wd = tempfile.mkdtemp(prefix="sandbox-probe-")
         if uid is not None:
             os.chown(wd, uid, uid)
-        cfg = _config(wd, uid, namespaces, mounts, kernel, SandboxLimits(guard=False))
+        cfg = _config(wd, uid, namespaces, mounts, kernel, SandboxLimits(guard=False, unsafe=True))
         p = subprocess.run(_command(cfg, namespaces), input="print(6 * 7)", capture_output=True, text=True,
                            timeout=20, env=_sandbox_env(wd))
         return p.returncode == 0 and p.stdout.strip() == "42"
@@ -467,7 +532,8 @@ def _isolation(namespaces: bool) -> dict:
         ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
         tries.append((ns if root else [unshare, "--user", "--map-root-user", *ns[1:]], True, root))
     # without a mount namespace a dropped uid must still reach the interpreter (e.g. not under /root)
-    tries.append(([], False, root and _world_traversable(sys.executable) and _world_traversable(sys.prefix)))
+    reachable = _world_traversable(sys.executable) and _world_traversable(sys.prefix)
+    tries.append(([], False, root and reachable))
     for cmd, mounts, may_drop in tries:
         for layers in [kernel] + ([NO_KERNEL_LAYERS] if kernel != NO_KERNEL_LAYERS else []):
             for uid in ([UID_BASE + UID_SPAN] if may_drop else []) + [None]:
@@ -479,23 +545,30 @@ def _isolation(namespaces: bool) -> dict:
 def _report(cmd: list[str], mounts: bool, drop_uid: bool, kernel: dict) -> dict:
     files = mounts or kernel["landlock"] > 0  # the kernel keeps the code off the trainer's files
     processes = bool(cmd) or kernel["seccomp"]  # ... and off the trainer's processes
+    # ... and the code is not uid 0, which owns the host's files by name (chmod, utime, truncate need no
+    # capability then) and is not bound by RLIMIT_NPROC: as root a spare uid, or the code is not run
+    unprivileged = drop_uid or os.geteuid() != 0
     layers = [("network namespace", bool(cmd)), ("read-only mounts", mounts),
               ("Landlock", kernel["landlock"] > 0), ("seccomp", kernel["seccomp"]),
-              ("unprivileged uid", drop_uid or bool(cmd) or os.geteuid() != 0)]
+              ("unprivileged uid", unprivileged)]
     missing = [name for name, ok in layers if not ok]
     return {"namespaces": cmd, "mounts": mounts, "drop_uid": drop_uid, "network_isolated": bool(cmd),
             "read_only_fs": mounts, "landlock": kernel["landlock"], "seccomp": kernel["seccomp"],
-            "kernel_isolated": files and processes,
+            "kernel_isolated": files and processes and unprivileged,
             "setup": ("A" if "--user" not in cmd else "B") if cmd else "C",
             "note": ("missing: " + ", ".join(missing) + "; the python audit hook and rlimits still apply")
+            + ("" if unprivileged else f"; as root without namespaces the code must run as a spare uid, "
+               f"which cannot reach {sys.executable} (a folder on its path is closed to other users): run "
+               "as an ordinary user, with namespaces, or with python where every user can read it")
             if missing else ""}
 
 
 def refusal(iso: dict) -> str:
     """Why model-written code is not run on this machine, and the switch that accepts the risk."""
-    return (f"the python sandbox has no kernel isolation on this machine ({iso['note'] or 'none'}): it needs "
-            "a mount namespace or Landlock (files) and namespaces or seccomp (processes). Model-written code "
-            "is not run; to run it anyway, with only the python audit hook and rlimits, accept the risk with "
+    return (f"the python sandbox cannot isolate model-written code on this machine ({iso['note'] or 'none'})"
+            ": it needs a mount namespace or Landlock (files), namespaces or seccomp (processes), and as "
+            "root a uid other than 0. Model-written code is not run; to run it anyway, with only the python "
+            "audit hook and rlimits, accept the risk with "
             "arpo.py --unsafe-python (make_env('tools', unsafe_python=True); SandboxLimits(unsafe=True)).")
 
 
@@ -559,8 +632,16 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         return SandboxResult(f"Error: could not start the sandbox: {e}", "killed", time.time() - t0)
     finally:
         for path in (wd, out_dir):
-            if path:
-                _remove_tree(path)
+            if path:  # off the caller's path: the call's time is its timeout plus a small constant
+                _cleaner.submit(_remove_tree, path)
+
+
+_cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-cleanup")  # joined at exit
+
+
+def wait_for_cleanup() -> None:
+    """Block until every finished call's folders are removed."""
+    _cleaner.submit(lambda: None).result()
 
 
 def _remove_tree(top: str) -> None:
@@ -631,11 +712,17 @@ def _classify(rc: int, timed_out: bool, size: int, text: str, limits: SandboxLim
         return "timeout", f"Error: execution timed out after {limits.timeout_s:g} s (wall clock)."
     if size >= limits.file_size_mb * 1024 * 1024:
         return "output_limit", f"Error: output exceeded the {limits.file_size_mb} MB limit; stopped."
-    sig = rc - 128 if rc > 128 else -rc if rc < 0 else 0  # the runner reports a signal as 128 + its number
+    if rc == DISK_EXIT:
+        return "disk", (f"Error: the working directory went over its limit ({limits.disk_mb} MB, "
+                        f"{limits.max_files} files and folders); stopped.")
+    sig = rc - 128 if 128 < rc < DISK_EXIT else -rc if rc < 0 else 0  # the runner: 128 + a signal's number
     if sig == signal.SIGXCPU:
         return "cpu", f"Error: CPU time limit of {limits.cpu_s} s exceeded."
     if sig == signal.SIGXFSZ:
         return "output_limit", f"Error: a file exceeded the {limits.file_size_mb} MB limit; stopped."
+    if sig == signal.SIGSYS:
+        return "killed", ("Error: the sandbox's seccomp filter killed the code (SIGSYS): it made a system "
+                          "call of another ABI (32-bit i386), which is refused.")
     if sig == signal.SIGKILL:  # not the CPU limit (the runner tells that apart): the code or the OS killed it
         return "killed", f"Error: the code was killed (SIGKILL) after {seconds:.1f} s, within its CPU limit."
     if "MemoryError" in text:

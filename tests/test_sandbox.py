@@ -185,9 +185,9 @@ def test_isolation_report():
     assert set(iso) >= {"network_isolated", "read_only_fs", "drop_uid", "note"}
     if os.geteuid() == 0 and iso["network_isolated"]:
         assert iso["read_only_fs"] and iso["drop_uid"]
-    # code runs only where the kernel keeps it off both the trainer's files and its processes
+    # code runs only where the kernel keeps it off both the trainer's files and its processes, never as root
     files, processes = iso["read_only_fs"] or iso["landlock"] > 0, iso["network_isolated"] or iso["seccomp"]
-    assert iso["kernel_isolated"] == (files and processes)
+    assert iso["kernel_isolated"] == (files and processes and (iso["drop_uid"] or os.geteuid() != 0))
     assert iso["setup"] == ("C" if not iso["namespaces"] else "B" if os.geteuid() else "A")
     assert isolation(namespaces=False)["setup"] == "C" and not isolation(namespaces=False)["namespaces"]
 
@@ -199,6 +199,69 @@ def test_trainer_working_directory_is_hidden():
     assert os.path.exists(mine)
     r = run_python(f"open({mine!r}).read()", without_guard())
     assert r.error == "exit" and ("FileNotFoundError" in r.output or "PermissionError" in r.output)
+
+
+def test_as_root_without_namespaces_code_never_runs_as_uid_0(monkeypatch):
+    # root without CAP_SYS_ADMIN (Docker, Kubernetes): uid 0 may chmod, utime and truncate host files by name
+    # and ignores RLIMIT_NPROC, so the code runs as a spare uid or not at all; here the spare uid cannot reach
+    # the interpreter (as under /root): a refusal naming the switch, and the switch runs it
+    import envs.sandbox as sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: an ordinary user's code is never uid 0")
+    monkeypatch.setattr(sandbox, "_world_traversable", lambda path: False)
+    sandbox._isolation.cache_clear()
+    try:
+        iso = isolation(namespaces=False)
+        assert not iso["kernel_isolated"] and not iso["drop_uid"] and "spare uid" in iso["note"]
+        r = run_python("import os\nos.geteuid()", SandboxLimits(**{**FAST.__dict__, "namespaces": False}))
+        assert r.error == "refused" and "--unsafe-python" in r.output and "spare uid" in r.output
+        risky = SandboxLimits(**{**FAST.__dict__, "namespaces": False, "unsafe": True})
+        assert run_python("import os\nos.geteuid()", risky).output == "0"
+    finally:
+        sandbox._isolation.cache_clear()
+
+
+def test_relative_paths_work_with_the_guard():
+    # CPython hands dir_fd=-1 (none) to the audit events of os.mkdir, os.remove, ...
+    code = ("import os, pathlib, shutil\nos.mkdir('out')\nos.makedirs('a/b/c')\n"
+            "open('out/f', 'w').write('x')\nos.rename('out/f', 'out/g')\nos.remove('out/g')\n"
+            "os.rmdir('out')\np = pathlib.Path('q')\n"
+            "p.mkdir()\n(p / 'z').touch()\n(p / 'z').unlink()\np.rmdir()\nshutil.rmtree('a')\n"
+            "os.symlink('t', 'link')\nos.unlink('link')\nsorted(os.listdir('.'))")
+    r = run_python(code, FAST)
+    assert (r.error, r.output) == (None, "[]")
+    r = run_python("import os\nos.mkdir('../escape')", FAST)  # relative, yet outside: still refused
+    assert "sandbox: access to" in r.output
+
+
+@pytest.mark.parametrize("code", ["for i in range(200):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))",
+                                  "for i in range(5000):\n    os.mkdir(f'd{i}')",
+                                  "for _ in range(8000):\n    os.mkdir('d')\n    os.chdir('d')"])
+def test_the_working_directory_is_bounded_and_cleaned_off_the_callers_time(code):
+    import envs.sandbox as sandbox
+
+    limits = SandboxLimits(**{**FAST.__dict__, "disk_mb": 32, "max_files": 500})
+    r = run_python("import os\nprint(os.getcwd())\n" + code + "\nprint('finished')", limits)
+    wd = next(line for line in r.output.splitlines() if line.startswith("/"))
+    assert r.error == "disk" and "finished" not in r.output
+    assert r.output.startswith("Error: the working directory went over its limit (32 MB, 500 files")
+    assert r.seconds < limits.timeout_s  # stopped at the limit; the clean-up is not the caller's
+    sandbox.wait_for_cleanup()
+    assert not os.path.lexists(wd)
+
+
+def test_a_seccomp_kill_says_why_and_keeps_the_output():
+    if not isolation()["seccomp"]:
+        pytest.skip("no seccomp filter on this machine (it is x86-64 only)")
+    # int 0x80 (the i386 ABI's getpid) from executable memory: not an x86-64 call, so the filter kills
+    code = ("import ctypes, mmap\nprint('before')\n"
+            "m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+            "m.write(bytes([0xB8, 0x14, 0, 0, 0, 0xCD, 0x80, 0xC3]))\n"
+            "ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))()")
+    r = run_python(code, FAST)
+    assert r.error == "killed" and "SIGSYS" in r.output and "i386" in r.output
+    assert r.output.endswith("\nbefore")
 
 
 NO_OS_LAYERS = {"namespaces": [], "mounts": False, "drop_uid": False, "network_isolated": False,
@@ -241,11 +304,16 @@ def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(mo
 # spare uid (setpriv) with a fresh HOME. The harness is one string so that it runs in both ways.
 
 HARNESS = r'''
-import json, os, resource, socket, sys, time
+import json, os, resource, socket, subprocess, sys, time
 
 PRE = "import ctypes, os, struct, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
 def cases(spec):
+    targets = [spec["hostfile"], spec["home"] + "/.bashrc", spec["cwd"] + "/canary.txt"]
+    host_metadata = (f"for p in {targets!r}:\n"
+                     "    b = p.encode()\n    libc.chmod(b, 0o4755)\n    libc.utimensat(-100, b, None, 0)\n"
+                     "    libc.truncate(b, ctypes.c_long(0))\n    try:\n"
+                     "        os.setxattr(p, 'user.leak', b'answer=42')\n    except OSError:\n        pass")
     home, cwd, secret, sock, mark = spec["home"], spec["cwd"], spec["secret"], spec["socket"], spec["mark"]
     kill = f"os.kill({spec['trainer']}, 9)" + ("\nos.kill(-1, 9)" if spec["kill_all"] else "")
     fork_exec = (
@@ -265,7 +333,7 @@ def cases(spec):
         "privileges": ("s = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines())\n"
                        "caps = [k for k in ('CapEff', 'CapPrm', 'CapAmb') if int(s[k], 16)]\n"
                        "print('ESCAPE caps', caps) if caps or s['NoNewPrivs'] != '1' else None\n"
-                       f"print('ESCAPE root') if os.geteuid() == 0 and {spec['namespaces']} else None", {},
+                       "print('ESCAPE root') if os.geteuid() == 0 else None", {},
                        "all"),
         # ctypes writes to the real ~/.bashrc and the trainer's working directory; reads of home
         "ctypes_write": ("for t in [l.split()[1] for l in open('/proc/self/mounts')][::-1]:\n"
@@ -319,6 +387,40 @@ def cases(spec):
                            {"memory_mb": 1024}, "all"),
         # minor: a SIGKILL 0.1 s in is reported as what it is
         "sigkill": ("time.sleep(0.1)\nos.kill(os.getpid(), 9)", {}, "all"),
+        # what uid 0 may do by name and Landlock does not cover: modes (set-uid), times, xattrs (a note for
+        # a later call), truncation (Landlock ABI < 3) -- of a host file and of the 0666 canaries
+        "host_metadata": (host_metadata, {}, "all"),
+        "host_metadata_abi2": (host_metadata, {"abi": 2}, "all"),
+        # F_SETOWN + F_SETSIG(SIGKILL) on a socket: the kernel signals the owner on I/O (Landlock ABI < 6);
+        # the target is a process of the trainer's uid (not the trainer: a pytest killed says little)
+        "setown_kill_abi5": ("import fcntl, socket\na, b = socket.socketpair()\n"
+                             f"fcntl.fcntl(a, fcntl.F_SETOWN, {spec['victim']})\nfcntl.fcntl(a, 10, 9)\n"
+                             "fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)\n"
+                             "b.send(b'x')\ntime.sleep(0.2)", {"abi": 5}, "all"),
+        # memory outside RLIMIT_AS, and SysV objects that outlive the call (the host's without an ipc ns)
+        "sysv_ipc": ("for name, call in (('shm', lambda: libc.shmget(0, 64 << 20, 0o1666)),\n"
+                     "                   ('msg', lambda: libc.msgget(0, 0o1666)),\n"
+                     "                   ('sem', lambda: libc.semget(0, 1, 0o1666))):\n"
+                     "    if call() >= 0:\n        print('ESCAPE', name)", {}, "all"),
+        "memfd": ("fd = os.memfd_create('x')\nos.write(fd, b'x' * (1 << 20))\nprint('ESCAPE memfd')", {},
+                  "all"),
+        "fallocate": ("fd = os.open('f', os.O_CREAT | os.O_WRONLY)\n"
+                      "if libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 30)) == 0:\n"
+                      "    print('ESCAPE fallocate')", {}, "all"),  # KEEP_SIZE: RLIMIT_FSIZE does not see it
+        "disk_fill": ("for i in range(200):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+                      "print('ESCAPE wrote 200 MB')", {"file_size_mb": 2}, "all"),
+        # RLIMIT_NPROC does not bind uid 0
+        "threads": ("import threading\nthreading.stack_size(1 << 16)\nstarted = 0\n"
+                    "for _ in range(300):\n    try:\n"
+                    "        threading.Thread(target=time.sleep, args=(1,), daemon=True).start()\n"
+                    "        started += 1\n    except RuntimeError:\n        break\n"
+                    "print('ESCAPE threads', started) if started > 32 else None", {}, "all"),
+        # a lock on a readable host file is seen by a call running at the same time
+        "flock_host": ("import fcntl\nf = open('/etc/passwd')\n"
+                       "for lock in (lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB),\n"
+                       "             lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)):\n"
+                       "    try:\n        lock()\n        print('ESCAPE lock')\n    except OSError:\n"
+                       "        pass", {}, "all"),
     }
 
 def snapshot(spec):
@@ -327,10 +429,16 @@ def snapshot(spec):
         for n in sorted(os.listdir(d)):
             with open(os.path.join(d, n), "rb") as f:
                 files[os.path.join(d, n)] = f.read()
+    meta = {}
+    for p in [spec["hostfile"]] + list(files):
+        st = os.stat(p)
+        meta[p] = [st.st_mode, st.st_mtime_ns, st.st_size, sorted(os.listxattr(p))]
+    sysv = [len(open(f"/proc/sysvipc/{k}").readlines()) for k in ("shm", "msg", "sem")]
     status = [l for l in open("/proc/self/status") if l.startswith(("Uid", "Gid", "Cap", "NoNewPrivs"))]
     limits = [resource.getrlimit(r) for r in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS,
                                                resource.RLIMIT_NPROC)]
-    return {"pid": os.getpid(), "cwd": os.getcwd(), "status": status, "files": files, "limits": limits,
+    return {"pid": os.getpid(), "cwd": os.getcwd(), "status": status, "files": files, "meta": meta,
+            "sysv": sysv, "limits": limits,
             "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0))}
 
 def survivors(mark):
@@ -350,26 +458,42 @@ def attack(sandbox, spec):
     os.chmod(spec["socket"], 0o777)
     listener.listen(1)
     listener.settimeout(0.05)
+    victim = subprocess.Popen(["sleep", "300"])
+    spec = {**spec, "victim": victim.pid}
     before = snapshot(spec)
     iso = sandbox.isolation(spec["namespaces"])
     escapes = {"_setup": iso["setup"], "_isolated": iso["kernel_isolated"]}  # what this machine gave
     for name, (code, extra, where) in cases(spec).items():
         if where == "ns" and not spec["namespaces"]:
             continue
+        abi = extra.pop("abi", None)  # a kernel with an older Landlock: the ruleset the module builds there
         kw = {"timeout_s": 3, "cpu_s": 2, "memory_mb": 512, "guard": False, **extra}
         found = []
+        real = sandbox._kernel_layers
+        if abi:
+            sandbox._kernel_layers = lambda: {**real(), "landlock": min(abi, real()["landlock"])}
+            sandbox._isolation.cache_clear()
         try:
             r = sandbox.run_python(PRE + code, sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw))
         except BaseException as e:
             escapes[name] = [f"run_python raised {type(e).__name__}: {str(e)[:200]}"]
             continue
+        finally:
+            if abi:
+                sandbox._kernel_layers = real
+                sandbox._isolation.cache_clear()
+        sandbox.wait_for_cleanup()
         found += [line for line in r.output.splitlines() if line.startswith("ESCAPE")]
         found += ["secret read"] if spec["secret_text"] in r.output or "BASHRC-CANARY" in r.output else []
         if r.error == "refused" or "could not set up" in r.output:
             found.append("not run: " + r.output[:300])
         if name == "deep_tree":
-            top = r.output.splitlines()[0] if r.output else ""
+            top = next((line for line in r.output.splitlines() if line.startswith("/")), "")
             found += [f"{top} left on disk"] if not top.startswith("/") or os.path.lexists(top) else []
+        if name in ("deep_tree", "disk_fill") and r.seconds > kw["timeout_s"] + 1.5:
+            found.append(f"the call took {r.seconds:.1f} s with a {kw['timeout_s']} s timeout")
+        if name == "disk_fill" and r.error != "disk":
+            found.append(f"reported as {r.error}: {r.output[:200]}")
         if name == "setsid_outlives":
             time.sleep(0.2)
             found += [f"sleep {pid} outlived the call" for pid in survivors(spec["mark"])]
@@ -381,10 +505,15 @@ def attack(sandbox, spec):
                 found.append("the host socket accepted a connection")
             except OSError:
                 pass
+        if victim.poll() is not None:
+            found.append(f"a process of the trainer's uid was killed ({victim.returncode})")
+            victim = subprocess.Popen(["sleep", "300"])
         after = snapshot(spec)
         found += [f"trainer changed: {k}" for k in before if before[k] != after[k]]
         escapes[name] = found
     listener.close()
+    victim.kill()
+    victim.wait()
     return escapes
 
 if __name__ == "__main__":
@@ -426,11 +555,12 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
     for path in d.values():
         os.mkdir(path)
         os.chmod(path, 0o777)
-    for path, text in ((os.path.join(d["home"], ".bashrc"), "BASHRC-CANARY\n"),
-                       (os.path.join(d["cwd"], "canary.txt"), "cwd canary\n")):
+    for path, text, mode in ((os.path.join(d["home"], ".bashrc"), "BASHRC-CANARY\n", 0o666),
+                             (os.path.join(d["cwd"], "canary.txt"), "cwd canary\n", 0o666),
+                             (os.path.join(d["shared"], "host.txt"), "a file of the trainer's\n", 0o644)):
         with open(path, "w") as f:
             f.write(text)
-        os.chmod(path, 0o666)
+        os.chmod(path, mode)
     secret = f"TOP-SECRET-{uuid.uuid4().hex}"
     with open(os.path.join(d["shared"], "secret.txt"), "w") as f:
         f.write(secret)
@@ -440,6 +570,7 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
             os.chown(path, owner, owner)
     return {"home": d["home"], "cwd": d["cwd"], "secret": os.path.join(d["shared"], "secret.txt"),
             "secret_text": secret, "socket": os.path.join(d["shared"], "host.sock"),
+            "hostfile": os.path.join(d["shared"], "host.txt"),
             "mark": str(7000 + uuid.uuid4().int % 999)}
 
 
@@ -461,9 +592,9 @@ def _attack(setup: str) -> dict:
     as_spare = root and setup in ("B", "C-user")
     if setup == "A" and not (root and isolation()["setup"] == "A"):
         pytest.skip("set-up A needs root with namespaces")
-    if setup == "C-user" and not root:
+    if setup in ("C-user", "C-root") and not root:
         pytest.skip("as an ordinary user set-up C is the 'C' case already")
-    if not as_spare:
+    if not as_spare and setup != "C-root":
         if setup == "B" and isolation()["setup"] != "B":
             pytest.skip(f"set-up B needs user namespaces; this machine gives set-up {isolation()['setup']}")
         work = tempfile.mkdtemp(prefix="sandbox-attack-")
@@ -487,18 +618,21 @@ def _attack(setup: str) -> dict:
                     os.environ["HOME"] = old_home
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    # as a spare uid (setpriv); C-root: as root, with an interpreter a spare uid can reach (the sandbox
+    # drops to one; the trainer's own interpreter may be under /root, where it refuses: its own test)
     python, setpriv = _world_python(), shutil.which("setpriv")
-    if python is None or setpriv is None:
+    if python is None or (as_spare and setpriv is None):
         pytest.skip("as root the unprivileged set-ups need setpriv and an interpreter a spare uid can reach")
-    uid = _spare_uid()
+    uid = _spare_uid() if as_spare else None
     work = tempfile.mkdtemp(prefix="sandbox-attack-")
     try:
-        spec = {**_fixture_dirs(work, uid), "namespaces": namespaces, "kill_all": True, "trainer": 0}
+        spec = {**_fixture_dirs(work, uid), "namespaces": namespaces, "kill_all": as_spare, "trainer": 0}
         shutil.copy(sandbox.__file__, os.path.join(work, "sandbox.py"))
         harness = os.path.join(work, "harness.py")
         with open(harness, "w") as f:
             f.write(HARNESS)
-        cmd = [setpriv, "--reuid", str(uid), "--regid", str(uid), "--clear-groups", python, "-I", "-c",
+        cmd = [setpriv, "--reuid", str(uid), "--regid", str(uid), "--clear-groups"] if as_spare else []
+        cmd += [python, "-I", "-c",
                "import json, os, sys; spec = json.loads(sys.argv[2]); spec['trainer'] = os.getpid(); "
                "sys.argv[2] = json.dumps(spec); exec(open(sys.argv[1]).read())", harness]
         env = {"HOME": spec["home"], "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
@@ -514,13 +648,15 @@ def _attack(setup: str) -> dict:
 
 CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home", "dir_fd_guard", "dir_fd",
          "fork_exec_guard", "fork", "kill_trainer", "trainer_environ", "renice_trainer", "setsid_outlives",
-         "deep_tree", "unix_socket", "memory_fork", "memory_threads", "sigkill"]
+         "deep_tree", "unix_socket", "memory_fork", "memory_threads", "sigkill", "host_metadata",
+         "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd", "fallocate", "disk_fill", "threads",
+         "flock_host"]
 
 
 MOUNT_CASES = ("umount_home", "remount_rw")  # they try to undo the sandbox's mounts: set-up C has none
 
 
-@pytest.mark.parametrize("setup,case", [(s, c) for s in ("A", "B", "C", "C-user") for c in CASES
+@pytest.mark.parametrize("setup,case", [(s, c) for s in ("A", "B", "C", "C-user", "C-root") for c in CASES
                                         if not (s.startswith("C") and c in MOUNT_CASES)])
 def test_hostile_snippet_does_not_escape(setup, case):
     if setup not in _results:
