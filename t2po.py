@@ -26,6 +26,7 @@ import math
 import re
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -700,10 +701,9 @@ def turn_batch(samples: list[dict], device=None) -> tuple[torch.Tensor, torch.Te
     seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
     masks = [[0] * len(s["prompt_ids"]) + s["mask"] for s in samples]
     width = max(len(s) for s in seqs)
-    pad = lambda rows: [list(r) + [0] * (width - len(r)) for r in rows]
-    return (torch.tensor(pad(seqs), dtype=torch.long, device=device),  # (B, T)
-            torch.tensor(pad([[1] * len(s) for s in seqs]), dtype=torch.long, device=device),  # (B, T)
-            torch.tensor(pad(masks), dtype=torch.float32, device=device))  # (B, T)
+    pad = lambda rows, dtype: torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=dtype,
+                                           device=device)  # (B, T)
+    return pad(seqs, torch.long), pad([[1] * len(s) for s in seqs], torch.long), pad(masks, torch.float32)
 
 
 def microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
@@ -733,10 +733,7 @@ def policy_logprobs(model, samples: list[dict], args: Args, key: str, adapter_of
     """Log-probs of every turn's tokens under `model` (old policy, or reference for the KL), stored in
     sample[key] as a (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
     for batch, _ in microbatches(samples, args.micro_batch_size):
-        if adapter_off:
-            with unwrap(model).disable_adapter():
-                logp, _ = turn_logprobs(model, batch, args.temperature)
-        else:
+        with unwrap(model).disable_adapter() if adapter_off else nullcontext():
             logp, _ = turn_logprobs(model, batch, args.temperature)
         for s, row in zip(batch, logp, strict=True):
             s[key] = row[:len(s["prompt_ids"]) + len(s["response_ids"]) - 1]
@@ -783,8 +780,7 @@ def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Ge
             width = logp.shape[1]
             # a weight-0 placeholder (a rank short of micro-batches) has no stored log-probs: loss 0 anyway
             old = stacked(batch, "old_logp", width) if recompute and weight else logp.detach()
-            adv = torch.tensor([s["advantage"] for s in batch], device=logp.device)  # (B,): one A per turn
-            adv = adv[:, None]  # (B, 1)
+            adv = torch.tensor([s["advantage"] for s in batch], device=logp.device)[:, None]  # (B, 1)
             loss, n_clipped = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, args.dual_clip)
             if args.kl_coef > 0:  # token-mean of the per-token KL estimate
                 ref = stacked(batch, "ref_logp", width) if weight else logp.detach()
