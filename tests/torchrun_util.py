@@ -1,4 +1,4 @@
-"""Shared by the tests that run code under torchrun (2 ranks, gloo, on the CPU) and compare it with one
+"""Shared by the tests that run code under torchrun (2 or 8 ranks, gloo, on the CPU) and compare it with one
 process: the launcher, the loader of a worker script, and the rank-vs-one-process parameter check."""
 
 import importlib.util
@@ -12,19 +12,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST_SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
 
 
-def torchrun_command(*args: str) -> list[str]:
-    """`torchrun --nproc-per-node 2` (spelled out: `--nproc` is ambiguous on Python 3.11)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args]
+def torchrun_command(*args: str, nproc: int = 2) -> list[str]:
+    """`torchrun --nproc-per-node N` (spelled out: `--nproc` is ambiguous on Python 3.11)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+            *args]
 
 
 def torchrun_env() -> dict:
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
 
-def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a script (its path first) and its arguments on 2 ranks; wait for it."""
-    return subprocess.run(torchrun_command(*args), env=torchrun_env(), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+def torchrun(*args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a script (its path first) and its arguments on `nproc` ranks; wait for it."""
+    return subprocess.run(torchrun_command(*args, nproc=nproc), env=torchrun_env(), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
 
 
 def load_script(path: str):
