@@ -388,8 +388,10 @@ def rollout(generator, tokenizer, env, prompts: list[list[int]], args: Args, rng
             ids, logps, finish = list(s.token_ids[:budget]), list(s.logprobs[:budget]), s.finish_reason
             if len(s.token_ids) > budget:
                 finish = "length"
-            elif finish == "eos" and len(ids) < budget:
-                ids, logps = ids + [eos], logps + [0.0]  # train the stop too (its log-prob is recomputed)
+            elif finish == "eos" and len(ids) < budget:  # train the stop too (its log-prob is recomputed):
+                # the EOS id it sampled (Qwen2.5/Qwen3 end at <|im_end|> or <|endoftext|>)
+                stop = s.stop_token_id if s.stop_token_id is not None else eos
+                ids, logps = ids + [stop], logps + [0.0]
             segments.append(copy.copy(s))
             segments[-1].token_ids, segments[-1].logprobs, segments[-1].finish_reason = ids, logps, finish
             segments[-1].entropies = list(s.entropies[:budget]) if not top_k else [  # the estimator's terms
