@@ -138,25 +138,26 @@ def _assert_same_optimizer(got: dict, want: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_rank", [0, 2])
-def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process_and_back(tmp_path, lora_rank):
+@pytest.mark.parametrize("lora_rank,nproc", [(0, 2), (2, 2), (0, 8)])
+def test_fsdp2_checkpoint_from_n_ranks_resumes_in_one_process_and_back(tmp_path, lora_rank, nproc):
+    # nproc 8: 4 rows of data on 8 ranks, so ranks 4-7 hold no row (issue 26)
     script = load_script(os.path.join(DIST_SCRIPTS, "fsdp2_checkpoint.py"))
-    # a checkpoint written by ONE process, which the 2 FSDP2 ranks resume first
+    # a checkpoint written by ONE process, which the FSDP2 ranks resume first
     model = script.make(lora_rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     script.train_step(model, optimizer, [0, 1, 2, 3], 4 * 11, 1)
     save_checkpoint(str(tmp_path / "single"), 1, model, optimizer, Args())
 
     proc = torchrun(os.path.join(DIST_SCRIPTS, "fsdp2_checkpoint.py"), str(tmp_path), str(lora_rank),
-                    str(tmp_path / "single"))
+                    str(tmp_path / "single"), nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    from_one = torch.load(tmp_path / "from_one.pt")  # what the 2 ranks hold after resuming, gathered
+    from_one = torch.load(tmp_path / "from_one.pt")  # what the ranks hold after resuming, gathered
     assert from_one["step"] == 1
     assert all(torch.equal(from_one["params"][n], p) for n, p in model.named_parameters())
     _assert_same_optimizer(from_one["optim"], _optimizer_by_name(model, optimizer))
 
-    # the 2-rank FSDP2 checkpoint resumes in one plain process: identical parameters and AdamW state
+    # the N-rank FSDP2 checkpoint resumes in one plain process: identical parameters and AdamW state
     reference = torch.load(tmp_path / "reference.pt")  # gathered by the ranks with DTensor.full_tensor()
     torch.manual_seed(5)
     model2, _ = load_policy(TINY_MODEL, lora_rank=lora_rank)
@@ -174,7 +175,7 @@ def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process_and_back(tmp_pat
     assert pushed.keys() == merged.keys()
     assert all(torch.equal(pushed[k], merged[k]) for k in merged)
 
-    # and the resumed process's next step on the whole batch is the 2-rank step on half batches each
+    # and the resumed process's next step on the whole batch is the N-rank step on shards of it
     script.train_step(model2, optimizer2, [0, 1, 2, 3], 4 * 11, 1)
     after = torch.load(tmp_path / "next.pt")
     for n, p in model2.named_parameters():

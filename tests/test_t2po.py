@@ -529,36 +529,48 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_script_end_to_end_then_resume_on_one_rank(tmp_path):
-    """`torchrun --nproc-per-node 2 t2po.py` on the tiny model: 3 groups sharded 2 + 1, rank 0 alone writes
-    metrics.jsonl; the rollouts are keyed on global episode ids, so step 1's rollout metrics equal those of
-    one process with the same flags; the 2-rank checkpoint then resumes in one process."""
+def test_torchrun_eight_ranks_end_to_end_then_resume_across_world_sizes(tmp_path):
+    """`torchrun --nproc-per-node 8 t2po.py` on the tiny model (issue 26): 3 groups on 8 ranks (5 without
+    one), rank 0 alone writes metrics.jsonl; the rollouts are keyed on global episode ids, so step 1's
+    rollout metrics equal those of one process with the same flags. The 8-rank checkpoint then resumes on 2
+    ranks and on one process, and the one process's checkpoint resumes on 8 ranks."""
     import json
     import os
+    import shutil
     import subprocess
 
     argv = ["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--group-size", "2",
             "--tasks-per-step", "3",
             "--max-turns", "2", "--max-new-tokens", "12", "--tti-chunk", "8", "--tti-min-think", "4",
-            "--lr", "1e-3", "--eval-tasks", "2", "--reward", "env", "--save-every", "1", "--steps", "2"]
-    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    proc = subprocess.Popen(torchrun_command(os.path.join(ROOT, "t2po.py"), *argv, "--out", multi),
-                            env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t2po.main(argv + ["--threads", "1", "--out", single])  # meanwhile, the same run in one process
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+            "--lr", "1e-3", "--eval-tasks", "2", "--reward", "env", "--save-every", "1", "--threads", "1"]
+    multi, single, two = str(tmp_path / "multi"), str(tmp_path / "single"), str(tmp_path / "two")
+    launch = lambda out, steps, *extra, n=8: subprocess.Popen(
+        torchrun_command(os.path.join(ROOT, "t2po.py"), *argv, "--out", out, "--steps", str(steps), *extra,
+                         nproc=n), env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+
+    def finished(proc):
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
 
     def train_lines(out):
         return [line for line in map(json.loads, open(f"{out}/metrics.jsonl")) if "reward_mean" in line]
 
-    two, one = train_lines(multi), train_lines(single)
-    assert [line["step"] for line in two] == [1, 2]  # logged once (rank 0), not once per rank
+    proc = launch(multi, 1)
+    t2po.main(argv + ["--out", single, "--steps", "1"])  # meanwhile, the same run in one process
+    finished(proc)
+    eight, one = train_lines(multi), train_lines(single)
+    assert [line["step"] for line in eight] == [1]  # logged once (rank 0), not once per rank
     for key in ("reward_mean", "score", "tokens_per_turn", "tds_resamples", "num_tokens"):
-        assert two[0][key] == pytest.approx(one[0][key], abs=1e-9), key
-    assert two[0]["turns_per_episode"] == 2.0 and two[0]["num_tokens"] == one[0]["num_tokens"] > 0
-    summary = t2po.main(argv[:-2] + ["--steps", "3", "--resume", "--threads", "1", "--out", multi])
-    assert [line["step"] for line in train_lines(multi)] == [1, 2, 3]  # 2 ranks wrote it, 1 resumed
+        assert eight[0][key] == pytest.approx(one[0][key], abs=1e-9), key
+    assert eight[0]["turns_per_episode"] == 2.0 and eight[0]["num_tokens"] == one[0]["num_tokens"] > 0
+    shutil.copytree(multi, two)
+    finished(launch(two, 2, "--resume", n=2))  # 8 ranks wrote it, 2 resume
+    summary = t2po.main(argv + ["--out", multi, "--steps", "2", "--resume"])  # ... and one process
     assert "eval/success_rate" in summary["rl"]
+    finished(launch(single, 2, "--resume"))  # one process wrote it, 8 resume
+    for out in (multi, two, single):
+        assert [line["step"] for line in train_lines(out)] == [1, 2], out
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
-"""Run under `torchrun --nproc-per-node 2`: FSDP2 checkpoints and the FSDP2 weight iterator.
+"""Run under `torchrun --nproc-per-node N` (2 or 8): FSDP2 checkpoints and the FSDP2 weight iterator.
 
 argv: out_dir lora_rank [single_process_checkpoint_dir]
-1. (if given) resume a checkpoint written by ONE process into the 2-rank FSDP2 model: rank 0 saves the
+1. (if given) resume a checkpoint written by ONE process into the N-rank FSDP2 model: rank 0 saves the
    gathered parameters and optimizer state to <out>/from_one.pt;
 2. from the same init, two AdamW steps under FSDP2 (each rank its shard of a fixed batch, loss / global
    token count * world size), then save_checkpoint; rank 0 saves the parameters and optimizer state
@@ -28,11 +28,13 @@ def make(lora_rank: int):
 
 
 def train_step(model, optimizer, rows: list[int], n_tokens: int, scale: int) -> None:
-    """Sum of token NLLs over `rows` / the global token count * scale (see common/dist.py)."""
-    ids = BATCH[rows]  # (b, 12)
+    """Sum of token NLLs over `rows` / the global token count * scale (see common/dist.py). A rank without
+    a row runs row 0 with weight 0: the forward and backward are collectives under FSDP2, as the scripts'
+    dist.same_count placeholders."""
+    ids = BATCH[rows or [0]]  # (b, 12)
     logits = model(input_ids=ids).logits[:, :-1].float()  # (b, 11, V)
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-    (nll / n_tokens * scale).backward()
+    (nll * float(bool(rows)) / n_tokens * scale).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -54,7 +56,6 @@ def sharded(lora_rank: int):
 @dist.entrypoint
 def main(out: str, lora_rank: int, single: str | None) -> None:
     dist.init(timeout_s=120)
-    assert dist.world_size() == 2
     if single:
         model, optimizer = sharded(lora_rank)
         state = load_checkpoint(single, model, optimizer)
