@@ -53,7 +53,9 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
     """backend "auto" | "hf" | "vllm"; auto = vLLM when it is installed and CUDA is available, else HF.
 
     hf: generates with `model` itself (engine_kwargs: batch_size). vllm: starts an engine on `model_path`
-    (a folder or hub id holding the base weights), then loads `model`'s current weights into it.
+    (a folder or hub id holding the base weights), then loads `model`'s current weights into it. A folder
+    with a config and no weights (`random:<shape>`) starts the engine on vLLM's dummy weights, which the
+    push then replaces: the colocated engine can be checked on a GPU without downloading anything.
     """
     if backend == "auto":
         backend = "vllm" if vllm_installed() and torch.cuda.is_available() else "hf"
@@ -70,6 +72,11 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
             if torch.cuda.is_available() and engine_kwargs["dtype"] == "float32":
                 # fp32 master weights train; rollouts decode in bf16 (half the engine's memory, as verl does)
                 engine_kwargs["dtype"] = "bfloat16"
+        if os.path.isdir(model_path) and not any(f.endswith((".safetensors", ".bin"))
+                                                 for f in os.listdir(model_path)):
+            if model is None:
+                raise ValueError(f"{model_path} holds no weights: the vllm backend needs the policy to push")
+            engine_kwargs.setdefault("load_format", "dummy")
         gen = VLLMGenerator(model_path, tokenizer, **engine_kwargs)
         if model is not None:
             gen.update_weights(model)  # the policy may differ from the files (resume, LoRA merged)

@@ -229,7 +229,8 @@ def resolve_model_path(name: str) -> str:
     """Model name -> local folder that `from_pretrained` (and vLLM) can read.
 
     DEFAULT_MODEL / 'smollm2' -> the converted packaged gguf; 'tiny-random' -> built with seed 0;
-    'random:<name>' -> config and tokenizer only (load_policy draws the weights; vLLM cannot serve it);
+    'random:<name>' -> config and tokenizer only (load_policy draws the weights; vLLM starts on dummy
+    weights and is given the policy's, common.generation.make_generator);
     an existing folder -> itself; anything else -> a hub snapshot (local HF cache first).
     """
     if name.startswith(RANDOM_PREFIX):

@@ -164,7 +164,7 @@ def test_prompt_longer_than_context_is_a_clear_error(setup):
         engine.generate([[5] * 256], max_new_tokens=4)
 
 
-def run_engine_script(out, nproc: int):
+def run_engine_script(out, nproc: int, *extra: str):
     """tests/dist_scripts/vllm_external_launcher.py in a fresh process (torchrun when nproc > 1); it ends
     with dist.cleanup(), as the scripts do. Returns the finished process and each rank's results."""
     import json
@@ -175,7 +175,7 @@ def run_engine_script(out, nproc: int):
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
     script = os.path.join(root, "tests", "dist_scripts", "vllm_external_launcher.py")
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    cmd = [sys.executable, *(torchrun if nproc > 1 else []), script, str(out)]
+    cmd = [sys.executable, *(torchrun if nproc > 1 else []), script, str(out), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # DP=2 hung
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads((out / "result.json").read_text())
@@ -200,3 +200,15 @@ def test_one_engine_per_rank_under_torchrun_follows_the_update(tmp_path):
         assert r["vllm_before"] == r["hf_before"] and len(r["vllm_before"]) == 8
         assert r["vllm_after"] == r["hf_after"] != r["vllm_before"]
     assert results[0]["vllm_before"] != results[1]["vllm_before"]  # different prompts per rank
+
+
+def test_an_engine_on_a_folder_without_weights_serves_the_pushed_policy(tmp_path):
+    """random:<shape> models (issue 26): the folder holds a config and a tokenizer, no weights. The engine
+    starts on vLLM's dummy weights and make_generator pushes the policy's, so greedy tokens equal the HF
+    backend's on the policy; after an update the engine follows it (the weight-sync check a GPU
+    preflight runs before a long job)."""
+    proc, [result] = run_engine_script(tmp_path, 1, "no-weights")
+    assert not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(tmp_path / "model"))
+    assert result["load_format"].lower().endswith("dummy")
+    assert result["vllm_before"] == result["hf_before"] and len(result["vllm_before"]) == 8
+    assert result["vllm_after"] == result["hf_after"] != result["vllm_before"]

@@ -1,7 +1,9 @@
 """Run under `torchrun --nproc-per-node 2`: one vLLM engine per rank (distributed_executor_backend=
 "external_launcher", tensor-parallel 1, as VLLMGenerator sets it up under torchrun), each rank with its
 own prompts; then the same weight update on every rank, pushed with update_weights. Rank 0 writes
-argv[1]/result.json: per rank, greedy tokens from vLLM and from the HF backend before and after the update."""
+argv[1]/result.json: per rank, greedy tokens from vLLM and from the HF backend before and after the update.
+argv[2] "no-weights": the model folder holds its config and tokenizer only, as random:<shape> does, so the
+engine starts on vLLM's dummy weights and serves the policy only through the weight push."""
 
 import json
 import os
@@ -38,19 +40,24 @@ def greedy(generator, prompt: list[int]) -> list[int]:
 
 
 @dist.entrypoint
-def main(out: str) -> None:
+def main(out: str, weights: str = "saved") -> None:
     dist.init(timeout_s=600)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TINY_MODEL))
     model = make_model(tokenizer)
     folder = os.path.join(out, "model")
     if dist.is_main():
-        model.save_pretrained(folder)
+        if weights == "saved":
+            model.save_pretrained(folder)
+        else:
+            model.config.save_pretrained(folder)
+            model.generation_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     dist.barrier()
     engine = make_generator("vllm", model, tokenizer, folder, max_model_len=256, enforce_eager=True)
     hf = HFGenerator(model, tokenizer)
     prompt = PROMPTS[dist.rank()]  # each rank rolls out its own prompt
-    result = {"vllm_before": greedy(engine, prompt), "hf_before": greedy(hf, prompt)}
+    result = {"vllm_before": greedy(engine, prompt), "hf_before": greedy(hf, prompt),
+              "load_format": str(engine.llm.llm_engine.vllm_config.load_config.load_format)}
     if dist.rank() == 0:  # ranks call generate a different number of times (multi-turn rollouts do)
         greedy(engine, PROMPTS[1])
     with torch.no_grad():
@@ -67,4 +74,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
