@@ -657,7 +657,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.time()
     args = run.parse(Args, argv, PRESETS, check_args)
     if args.dry_run:  # a sequence: the question prompt (the tools prompts: 115-152 tokens) + the response
-        return run.dry_run(args, seq_len=256 + args.max_new_tokens)
+        return run.dry_run(args, 256 + args.max_new_tokens, f"256 prompt (tools: 115-152) + "
+                           f"{args.max_new_tokens} response tokens, tool results included")
     env, train_tasks, eval_tasks = build_envs(args)  # before the model: errors cost no load
     r = run.setup(args, desc=f"arpo[{args.rollout}]")
     held_out = lambda: run.on_main(lambda: evaluate(r.generator, r.tokenizer, env, eval_tasks, args))

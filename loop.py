@@ -590,7 +590,7 @@ def build_envs(args: Args) -> tuple:
 def main(argv: list[str] | None = None) -> dict:
     args = run.parse(Args, argv, PRESETS)
     if args.dry_run:
-        return run.dry_run(args, seq_len=args.max_seq_len, chunk_size=1024)
+        return run.dry_run(args, args.max_seq_len, "--max-seq-len (the whole episode)", chunk_size=1024)
     env, train_tasks, eval_tasks, pool, eval_pool = build_envs(args)  # before the model: errors cost no load
     r = run.setup(args, desc="loop")
     pad_id, eos_ids = r.tokenizer.pad_token_id, model_eos_ids(r.tokenizer, r.model)

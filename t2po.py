@@ -817,12 +817,22 @@ def build_envs(args: Args) -> tuple:
     return env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool
 
 
+def turn_prompts(env, tasks: list, args: Args) -> list[str]:
+    """The scripted expert's turn prompts on `tasks`; without an expert, the first turns with the history
+    filled with their observation (--dry-run plans for the longest)."""
+    if hasattr(env, "expert_action"):
+        return [t["prompt"] for ep in expert_episodes(env, tasks, args) for t in ep["turns"]]
+    return [build_turn_prompt(info.get("instruction", ""), [(obs, "")] * args.history_length, obs,
+                              info.get("admissible_actions") or [], args.history_length, args.max_obs_chars)
+            for obs, info in map(env.reset, tasks)]
+
+
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     t_begin = time.time()
     args = run.parse(Args, argv, PRESETS, check_args, overridden_by={"epochs": "steps"})
     if args.dry_run:
-        return run.dry_run(args, seq_len=4096 + args.max_new_tokens)
+        return run.dry_run(args, *run.planned_length(args, turn_prompts, args.max_new_tokens))
     env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool = build_envs(args)
     r = run.setup(args, desc="t2po" if (args.tti or args.tds) else "gigpo")
     held_out = lambda stage, step: run.on_main(

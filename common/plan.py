@@ -116,14 +116,15 @@ def _gib(n: float) -> str:
 def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: int, micro_batch: int,
                 backend: str, *, strategy: str = "auto", dtype: str = "float32", vllm_dtype: str = "float32",
                 gradient_checkpointing: bool = False, vllm_sleeps: bool = False, gpu_gib: float = 80.0,
-                gpu_memory_utilization: float = 0.5, chunk_size: int = 512) -> dict:
+                gpu_memory_utilization: float = 0.5, chunk_size: int = 512, rollout_rows: int = 0) -> dict:
     """Bytes per rank for each item (see the module docstring) and `lines`, the arithmetic as text.
 
     The defaults are what the scripts do today: weights loaded in float32 (load_policy's default; loop's
     --dtype), the vLLM engine in float32 (VLLMGenerator's default), no gradient checkpointing, vLLM's share
     0.5 of the card, and the engine kept awake during training (no script calls generator.sleep() yet;
     vllm_sleeps=True counts it as freed). backend "auto" counts as vLLM (what auto picks on a GPU).
-    chunk_size: tokens per vocabulary-projection chunk (common.logprobs)."""
+    chunk_size: tokens per vocabulary-projection chunk (common.logprobs). rollout_rows: the sequences a rank
+    decodes at once with the HF backend, which generates a whole batch together (0: micro_batch)."""
     if world_size < 1 or micro_batch < 1 or max_seq_len < 1:
         raise ValueError("world_size, micro_batch and max_seq_len must be >= 1")
     if dtype not in DTYPE_BYTES or vllm_dtype not in DTYPE_BYTES:
@@ -227,9 +228,10 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
         out.update(vllm_share=share, kv_cache=kv_cache, kv_tokens=int(kv_cache // kv_token),
                    rollout_peak=rollout)
     else:
-        rollout = resident + micro_batch * max_seq_len * kv_token
-        lines.append(f"ROLLOUT PEAK per rank (HF, {micro_batch} rows of {max_seq_len}) = weights + AdamW "
-                     f"+ KV = {_gib(rollout)}")
+        rows = rollout_rows or micro_batch
+        rollout = resident + rows * max_seq_len * kv_token
+        lines.append(f"ROLLOUT PEAK per rank (HF, {rows} sequences of {max_seq_len} decoding at once) = "
+                     f"weights + AdamW + KV {rows}*{max_seq_len}*{kv_token:,} B = {_gib(rollout)}")
         out.update(rollout_peak=rollout)
     peak = max(train, rollout)
     fits = peak <= 0.9 * gpu_gib * GiB

@@ -113,18 +113,41 @@ def parse(cls: type, argv: list[str] | None, presets: dict, check: Callable | No
     return args
 
 
-def dry_run(args, seq_len: int, **plan) -> dict:
-    """--dry-run: the per-rank memory plan of --model at this world size, from its shape (no weights)."""
+def dry_run(args, seq_len: int, why: str, **plan) -> dict:
+    """--dry-run: the per-rank memory plan of --model at this world size, from its shape (no weights).
+    seq_len: the longest sequence the script trains on, `why` its arithmetic. The HF backend decodes all of
+    a rank's episodes at once (its task groups x --group-size; rank 0 also every held-out task)."""
     from common.plan import print_plan
+    rows = max(-(-args.tasks_per_step // dist.world_size()) * args.group_size, args.eval_tasks)
     if dist.is_main():
+        print(f"sequence {seq_len} tokens: {why}\nrollout rows {rows} = max(ceil({args.tasks_per_step} "
+              f"tasks / {dist.world_size()} ranks) * group {args.group_size}, {args.eval_tasks} held-out on "
+              "rank 0)")
         try:  # the engine decodes in bf16 on a GPU and sleeps while the policy trains
             print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq_len,
                        micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
                        dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
-                       vllm_dtype="bfloat16", **plan)
+                       vllm_dtype="bfloat16", rollout_rows=rows, **plan)
         except ValueError as e:  # a model whose shape is not known offline
             raise SystemExit(f"{script_name(args)}: {e}") from None
     return {}
+
+
+def planned_length(args, prompts_of: Callable, response_tokens: int) -> tuple[int, str]:
+    """--dry-run's sequence from the env's real prompts: the longest of prompts_of(env, 16 training tasks,
+    args), at 2 characters a token (an over-count: SmolLM2's tokenizer gives 2.4-3.3 on the toy, textworld
+    and webshop-lite prompts), + 32 chat-template tokens + the response; (tokens, that arithmetic). Where
+    the env's package is not installed: 4096 prompt tokens."""
+    try:
+        env, _, tasks, _ = make_env(args)
+    except SystemExit as e:
+        why = f"4096 prompt tokens assumed ({str(e).splitlines()[0]})"
+        return 4096 + response_tokens, f"{why} + {response_tokens} response"
+    prompts = prompts_of(env, tasks[:16], args)
+    chars = max(map(len, prompts))
+    return -(-chars // 2) + 32 + response_tokens, (f"the longest of {len(prompts)} turn prompts, {chars} "
+                                                   f"chars / 2 + 32 chat-template tokens + {response_tokens} "
+                                                   "response")
 
 
 def make_env(args, **options):

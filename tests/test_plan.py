@@ -124,3 +124,41 @@ def test_random_names_and_short_names_plan_the_published_shape(tmp_path, monkeyp
     assert canonical_name("no/such-model") == "no/such-model"
     assert model_shape("random:Qwen3-4B") == KNOWN_SHAPES["Qwen/Qwen3-4B"]
     assert memory_plan("random:Qwen3-4B", 1, 0, 128, 1, "hf")["params"] == P_QWEN3_4B
+
+
+def test_hf_rollout_kv_counts_every_sequence_a_rank_decodes_at_once_by_hand():
+    # tiny-random: 49152*64 embedding + 2 layers of (q 64x64, k, v 64x32, o 64x64 = 12288; MLP 3*64*128 =
+    # 24576; 2 norms of 64) + the final norm, tied: P = 3,145,728 + 2*36,992 + 64 = 3,219,776
+    plan = memory_plan("tiny-random", 2, 0, 100, 4, "hf", rollout_rows=16)
+    assert plan["params"] == 3_219_776
+    # fp32: K and V of 2 layers x 2 kv heads x 16 dims x 4 B = 512 B per token; weights + AdamW's two
+    # moments (12 B per parameter) stay resident while 16 sequences of 100 tokens decode together
+    assert plan["kv_bytes_per_token"] == 512
+    assert plan["rollout_peak"] == 3_219_776 * 12 + 16 * 100 * 512
+    assert any("HF, 16 sequences of 100 decoding at once" in line for line in plan["lines"])
+    # not micro_batch rows (what the plan counted before): 4 x 100 x 512
+    assert memory_plan("tiny-random", 2, 0, 100, 4, "hf")["rollout_peak"] == 3_219_776 * 12 + 4 * 100 * 512
+
+
+def test_t2po_dry_run_plans_from_the_envs_prompts(capsys):
+    import re
+
+    import t2po
+    from envs.base import make_env
+
+    t2po.main(["--dry-run", "--backend", "hf"])  # the default: textworld, 2 tasks x 8 rollouts, 8 held out
+    out = capsys.readouterr().out
+    found = re.search(r"sequence (\d+) tokens: the longest of (\d+) turn prompts, (\d+) chars / 2 \+ 32 "
+                      r"chat-template tokens \+ 40 response", out)
+    seq, prompts, chars = (int(x) for x in found.groups())
+    assert seq == -(-chars // 2) + 32 + 40 and seq < 4096  # not 4096 + max-new-tokens whatever the env
+    # 16 training games played by the expert, 3 turns each; the first prompt holds the game's first
+    # observation, so the longest is at least that long
+    env = make_env("textworld", level=3, train_games=16, eval_games=8, holdout="walkthrough")
+    assert prompts == 48 and chars > len(env.reset(env.tasks("train")[0])[0])
+    assert "rollout rows 16 = max(ceil(2 tasks / 1 ranks) * group 8, 8 held-out on rank 0)" in out
+    assert f"HF, 16 sequences of {seq} decoding at once" in out
+    # an env whose package is missing: the old assumption, said as such
+    t2po.main(["--dry-run", "--env", "webshop", "--model", "tiny-random"])
+    out = capsys.readouterr().out
+    assert "sequence 4396 tokens: 4096 prompt tokens assumed (t2po.py: --env 'webshop'" in out
