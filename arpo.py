@@ -620,11 +620,18 @@ def gather_rollouts(rollouts: list[Rollout], rewards: list[float], infos: list[d
             [i for p in parts for i in p[2]])
 
 
-def evaluate(generator, tokenizer, env, tasks: list, args: Args) -> dict:
-    """Greedy, one rollout per held-out question (no forks): the "eval/..." metrics."""
+def evaluate(generator, tokenizer, env, tasks: list, args: Args, stage: str) -> dict:
+    """Greedy, one rollout per held-out question (no forks): the "eval/..." metrics; transcripts (the
+    model's text between tool results, each result as the observation) in <out>/transcripts."""
     prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
     rollouts = rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed), greedy=True)
-    m = rollout_metrics(rollouts, *score_rollouts(env, tasks, rollouts, tokenizer), len(tasks))
+    rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
+    run.write_transcripts(args, stage, [
+        dict(task=tasks[r.question], won=info.get("won"), reward=reward, prompt=tokenizer.decode(prompts[i]),
+             turns=[dict(response=text, observation=result)
+                    for text, result in run.text_turns(tokenizer, r.response_ids, r.policy_mask)[1:]])
+        for i, (r, reward, info) in enumerate(zip(rollouts, rewards, infos, strict=True))])
+    m = rollout_metrics(rollouts, rewards, infos, len(tasks))
     return {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
             "eval/format_error_rate": m["format_error_rate"],
             "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
@@ -645,7 +652,8 @@ def summary(extra: dict, n_questions: int) -> dict:
     """Print each stage's held-out success / reward; return them (eval_before, reward_before, ...)."""
     stages = {s: extra[s] for s in run.STAGES if s in extra}  # a resumed run: from its checkpoint
     run.say(f"held-out ({n_questions} questions, greedy) success / reward: " + " -> ".join(
-        f"{s.replace('_', ' ')} {m['eval/success_rate']:.3f} / {m['eval/reward_mean']:.3f}"
+        f"{s.replace('_', ' ')} {round(m['eval/success_rate'] * n_questions)}/{n_questions} / "
+        f"{m['eval/reward_mean']:.3f}"
         for s, m in stages.items()))
     names = {"base": "before", "cold_start": "cold_start", "rl": "after"}
     return {f"{k}_{names[s]}": m[f"eval/{v}"] for s, m in stages.items()
@@ -661,15 +669,16 @@ def main(argv: list[str] | None = None) -> dict:
                            f"{args.max_new_tokens} response tokens, tool results included")
     env, train_tasks, eval_tasks = build_envs(args)  # before the model: errors cost no load
     r = run.setup(args, desc=f"arpo[{args.rollout}]")
-    held_out = lambda: run.on_main(lambda: evaluate(r.generator, r.tokenizer, env, eval_tasks, args))
+    held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, env, eval_tasks, args,
+                                                          stage))
     t_eval = 0.0  # an evaluation's time, for --max-minutes
     if r.start_step == 0:  # a resumed run has done these: r.extra holds their results
-        t_eval, r.extra["base"] = time.time(), held_out()
+        t_eval, r.extra["base"] = time.time(), held_out("base")
         t_eval = time.time() - t_eval
         r.logger.log({"step": 0, **r.extra["base"]})
         if args.cold_start:
             log = cold_start(r, env, train_tasks, args)
-            r.extra["cold_start"] = held_out()
+            r.extra["cold_start"] = held_out("cold_start")
             r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
                                               for k, v in r.extra["cold_start"].items()}})
     line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL started (or resumed)
@@ -695,7 +704,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
                 "time_update_s": time.time() - t0 - t_rollout}  # the rest: reward, advantages, update
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            line.update(held_out())
+            line.update(held_out(f"step_{step}"))
         r.logger.log(line)
         step_times.append(time.time() - t0)
         # --max-minutes: stop when the next step and the final evaluation would overrun (every rank alike)
@@ -707,9 +716,10 @@ def main(argv: list[str] | None = None) -> dict:
             run.say(f"stopping after step {step}: the next would overrun --max-minutes {args.max_minutes}")
             line["stopped_early_at_step"] = step
             break
-    r.extra["rl"] = held_out()
+    r.extra["rl"] = held_out("rl")
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
+    run.show_transcripts(args, ["cold_start" if "cold_start" in r.extra else "base", "rl"])
     final = {**line, **r.extra["rl"], **summary(r.extra, len(eval_tasks))}
     dist.cleanup()
     return final

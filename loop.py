@@ -497,10 +497,17 @@ def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
     return out
 
 
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, eos_ids: set[int]) -> dict:
-    """Greedy decoding on held-out tasks (paper: eval at temperature 0)."""
+def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, eos_ids: set[int], stage: str
+             ) -> dict:
+    """Greedy decoding on held-out tasks (paper: eval at temperature 0); transcripts in <out>/transcripts."""
     eps = rollout(generator, tokenizer, pool, tasks, 1, args, temperature=0.0,
                   max_turns=args.eval_max_turns or args.max_turns, seed=args.seed, eos_ids=eos_ids)
+    texts = [run.text_turns(tokenizer, e.ids, e.action_mask) for e in eps]  # [(prompt, ""), (turn, reply)...]
+    run.write_transcripts(args, stage, [
+        dict(task=e.task, won=e.won, reward=e.reward, prompt=text[0][0], turns=[
+            dict(response=response, action=action, observation=reply)
+            for (response, reply), action in zip(text[1:], e.actions, strict=False)])
+        for e, text in zip(eps, texts, strict=True)])
     errors = [e.env_error for e in eps if e.env_error is not None]
     warn_env_errors("held-out evaluation", len(errors), len(eps), errors[:1])
     return {"eval/success_rate": sum(e.won for e in eps) / len(eps),
@@ -594,13 +601,13 @@ def main(argv: list[str] | None = None) -> dict:
     env, train_tasks, eval_tasks, pool, eval_pool = build_envs(args)  # before the model: errors cost no load
     r = run.setup(args, desc="loop")
     pad_id, eos_ids = r.tokenizer.pad_token_id, model_eos_ids(r.tokenizer, r.model)
-    held_out = lambda: run.on_main(lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args,
-                                                    eos_ids))
+    held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks,
+                                                          args, eos_ids, stage))
     if "base" not in r.extra:  # a resumed run has done these
-        r.extra["base"] = held_out()
+        r.extra["base"] = held_out("base")
         r.logger.log({"step": 0, **r.extra["base"]})
         if args.cold_start and (log := cold_start(r, env, train_tasks, args)):  # {}: --env has no expert
-            r.extra["cold_start"] = held_out()
+            r.extra["cold_start"] = held_out("cold_start")
             r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
                                                for k, v in r.extra["cold_start"].items()}})
     line, t_rl = {}, time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
@@ -632,16 +639,18 @@ def main(argv: list[str] | None = None) -> dict:
                 "time_rollout_s": t1 - t0, "time_logprobs_s": t2 - t1, "time_update_s": t3 - t2,
                 "time_s": t3 - t_rl, "step_time_s": t3 - t0}  # to the end of the update, as arpo and t2po
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            line.update({**held_out(), "time_eval_s": time.time() - t3})
+            line.update({**held_out(f"step_{step + 1}"), "time_eval_s": time.time() - t3})
         r.logger.log(line)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             run.save(r, args, step + 1)
-    r.extra["rl"] = held_out()
+    r.extra["rl"] = held_out("rl")
     r.logger.log({"step": args.steps, **r.extra["rl"]})
     r.logger.close()
-    stages = (("base", "before"), ("cold_start", "cold start"), ("rl", "after LOOP"))
-    run.say(f"held-out success ({len(eval_tasks)} tasks, greedy): " + " -> ".join(
-        f"{name} {r.extra[stage]['eval/success_rate']:.3f}" for stage, name in stages if stage in r.extra))
+    run.show_transcripts(args, ["cold_start" if "cold_start" in r.extra else "base", "rl"])
+    stages, n = (("base", "before"), ("cold_start", "cold start"), ("rl", "after LOOP")), len(eval_tasks)
+    run.say(f"held-out success ({n} tasks, greedy): " + " -> ".join(
+        f"{name} {round(r.extra[stage]['eval/success_rate'] * n)}/{n}" for stage, name in stages
+        if stage in r.extra))
     dist.cleanup()
     return {**line, **r.extra["rl"]}
 

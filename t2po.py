@@ -530,7 +530,8 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
             reward = args.success_reward * outcome if env_done else 0.0
             episodes[i]["turns"].append(dict(
                 prompt_ids=prompts[j], response_ids=outs[j]["ids"], mask=outs[j]["sampled"],
-                anchor=obs[i], reward=reward, penalty=0.0 if valid else args.format_penalty, valid=valid))
+                anchor=obs[i], reward=reward, penalty=0.0 if valid else args.format_penalty, valid=valid,
+                action=action, observation=next_obs))
             stats["turns"] += 1
             stats["tokens"] += len(outs[j]["ids"])
             stats["think_tokens"] += outs[j]["think_tokens"]
@@ -579,7 +580,12 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
                               train=False, temperature=args.eval_temperature, top_p=args.eval_top_p,
                               top_k=args.eval_top_k)
     m = summarise(episodes, stats, prefix="eval/")
-    if stage:
+    if stage:  # the episodes as text (prompt, response, action, observation, reward per turn)
+        run.write_transcripts(args, stage, [dict(task=ep["task"], won=ep["won"], score=ep["score"],
+                                                 reward=sum(t["reward"] for t in ep["turns"]), turns=[
+            dict(prompt=tokenizer.decode(t["prompt_ids"]), response=tokenizer.decode(t["response_ids"]),
+                 **{k: t[k] for k in ("action", "observation", "reward", "valid")}) for t in ep["turns"]])
+            for ep in episodes])
         print(f"[{stage}] held-out success {m['eval/success_rate']:.3f}  score {m['eval/score']:.3f}  "
               f"tokens/turn {m['eval/tokens_per_turn']:.1f}  invalid {m['eval/format_error_rate']:.2f}",
               flush=True)
@@ -879,7 +885,10 @@ def main(argv: list[str] | None = None) -> dict:
         run.save(r, args, args.steps)
     r.logger.close()
     stages = [s for s in run.STAGES if s in r.extra]
-    run.say("held-out success: " + " -> ".join(f"{s} {r.extra[s]['eval/success_rate']:.3f}" for s in stages)
+    run.show_transcripts(args, ["rft" if "cold_start" in r.extra else "base", "rl"])
+    n = len(eval_tasks)
+    run.say("held-out success: " + " -> ".join(f"{s} {round(r.extra[s]['eval/success_rate'] * n)}/{n}"
+                                               for s in stages)
             + "  | score: " + " -> ".join(f"{s} {r.extra[s]['eval/score']:.3f}" for s in stages)
             + f"  ({(time.time() - t_begin) / 60:.1f} min)")
     dist.cleanup()

@@ -11,9 +11,11 @@ in the scripts.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import random
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -245,6 +247,50 @@ def stage_results(extra: dict) -> dict:
 def on_main(evaluate: Callable[[], dict]) -> dict:
     """Run `evaluate` on rank 0 (held-out episodes); the other ranks wait for its result."""
     return dist.broadcast_object(evaluate() if dist.is_main() else None)
+
+
+def write_transcripts(args, stage: str, episodes: list[dict]) -> None:
+    """An evaluation's episodes as text, one JSON line each, in <out>/transcripts/<stage>.jsonl (rank 0,
+    which evaluates): what the agent saw and did (prompt, response, action, observation, reward)."""
+    folder = os.path.join(args.out, "transcripts")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{stage.replace(' ', '_')}.jsonl"), "w") as f:
+        f.writelines(json.dumps(ep, default=str) + "\n" for ep in episodes)
+
+
+def text_turns(tokenizer, ids: list[int], generated: list) -> list[tuple[str, str]]:
+    """A token sequence cut where the model's tokens (generated 1) start and end: (context before the first
+    model token, "") then, per run of model tokens, (its text, the context text after it)."""
+    pairs = zip(ids, generated, strict=True)
+    runs = [(bool(g), [t for t, _ in grp]) for g, grp in itertools.groupby(pairs, lambda x: x[1])]
+    if runs and runs[0][0]:
+        runs.insert(0, (False, []))
+    out = [(tokenizer.decode(runs[0][1]) if runs else "", "")]
+    for i in range(1, len(runs), 2):
+        after = runs[i + 1][1] if i + 1 < len(runs) else []
+        out.append((tokenizer.decode(runs[i][1]), tokenizer.decode(after)))
+    return out
+
+
+def show_transcripts(args, stages: list[str], index: int = 0, width: int = 90) -> None:
+    """Print held-out episode `index` as each stage played it (e.g. before and after RL): its actions, the
+    environment's replies, the outcome. The full text is in <out>/transcripts/."""
+    for stage in stages:
+        path = os.path.join(args.out, "transcripts", f"{stage}.jsonl")
+        if not dist.is_main() or not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            episodes = [json.loads(line) for line in f]
+        if index >= len(episodes):
+            continue
+        ep = episodes[index]
+        print(f"--- held-out episode {index} ({ep.get('task', '')!s:.60}), {stage}: "
+              f"{'won' if ep.get('won') else 'lost'}, reward {ep.get('reward', 0):g}")
+        for k, turn in enumerate(ep["turns"]):
+            reply = " ".join(re.sub(r"<\|[^|]*\|>", " ", str(turn.get("observation", ""))).split())
+            action = str(turn.get("action") or turn.get("response", "")).strip()
+            print(f"  {k + 1}. {action!r:.{width // 2}} -> {reply:.{width}}")
+        sys.stdout.flush()
 
 
 def save(run: Run, args, step: int) -> None:

@@ -1,0 +1,63 @@
+"""Every evaluation leaves transcripts (prompt, response, action, observation, reward) in the run folder, and
+a run ends by printing one held-out episode before and after RL, with counts in its summary line."""
+
+import json
+import re
+
+import pytest
+
+import arpo
+import loop
+import t2po
+from common import run
+from common.models import byte_tokenizer
+
+
+def test_text_turns_cuts_at_the_models_tokens():
+    tok = byte_tokenizer()  # one id per byte: the texts below are the ids' bytes
+    ids = list(b"Q?") + list(b"a1") + list(b"<r>") + list(b"a2")
+    generated = [0, 0, 1, 1, 0, 0, 0, 1, 1]
+    assert run.text_turns(tok, ids, generated) == [("Q?", ""), ("a1", "<r>"), ("a2", "")]
+    # a sequence that starts with model tokens (arpo's response): an empty context first
+    assert run.text_turns(tok, list(b"xy"), [1, 1]) == [("", ""), ("xy", "")]
+
+
+def _episodes(folder, stage: str) -> list[dict]:
+    with open(folder / "transcripts" / f"{stage}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("script", ["loop", "arpo", "t2po"])
+def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--model", "tiny-random", "--steps", "1", "--eval-tasks", "2", "--threads", "1",
+              "--out", str(out)]
+    if script == "loop":
+        loop.main(["--env", "textworld", "--group-size", "2", "--tasks-per-step", "1", *common])
+        stages, before = ["base", "cold_start", "rl"], "cold_start"
+    elif script == "arpo":
+        arpo.main(["--env", "tools", "--group-size", "2", "--initial-rollouts", "2", "--tasks-per-step", "1",
+                   "--max-new-tokens", "16", "--max-minutes", "0", *common])
+        stages, before = ["base", "cold_start", "rl"], "cold_start"
+    else:
+        t2po.main(["--env", "toy", "--group-size", "2", "--no-cold-start", *common])
+        stages, before = ["base", "rl"], "base"
+    printed = capsys.readouterr().out
+    for stage in stages:
+        episodes = _episodes(out, stage)
+        assert len(episodes) == 2  # one per held-out task
+        for ep in episodes:
+            assert {"task", "won", "reward", "turns"} <= set(ep) and ep["turns"]
+            for turn in ep["turns"]:
+                assert {"response", "observation"} <= set(turn)
+                assert script == "arpo" or "action" in turn  # arpo: one response, tool results between
+            assert "prompt" in ep or all("prompt" in turn for turn in ep["turns"])
+    # the prompt is the model's real input: the chat template's tokens are in it
+    first = _episodes(out, "rl")[0]
+    prompt = first.get("prompt") or first["turns"][0]["prompt"]
+    assert "<|im_start|>" in prompt
+    # one held-out episode before RL and after it, then the summary in counts of the 2 held-out tasks
+    assert printed.count("--- held-out episode 0") == 2
+    assert re.search(rf"--- held-out episode 0 .*, {before}: (won|lost)", printed)
+    assert re.search(r"--- held-out episode 0 .*, rl: (won|lost)", printed)
+    assert re.search(r"rl \d/2", printed) or re.search(r"after LOOP \d/2", printed)
