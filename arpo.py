@@ -648,8 +648,10 @@ def build_envs(args: Args) -> tuple:
     return env, train_tasks, eval_tasks
 
 
-def summary(extra: dict, n_questions: int) -> dict:
-    """Print each stage's held-out success / reward; return them (eval_before, reward_before, ...)."""
+def summary(extra: dict, n_questions: int, args: Args) -> dict:
+    """Print held-out question 0 before and after RL, then each stage's held-out success / reward; return
+    them (eval_before, reward_before, ...)."""
+    run.show_transcripts(args, ["cold_start" if "cold_start" in extra else "base", "rl"])
     stages = {s: extra[s] for s in run.STAGES if s in extra}  # a resumed run: from its checkpoint
     run.say(f"held-out ({n_questions} questions, greedy) success / reward: " + " -> ".join(
         f"{s.replace('_', ' ')} {round(m['eval/success_rate'] * n_questions)}/{n_questions} / "
@@ -665,8 +667,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.time()
     args = run.parse(Args, argv, PRESETS, check_args)
     if args.dry_run:  # a sequence: the question prompt (the tools prompts: 115-152 tokens) + the response
-        return run.dry_run(args, 256 + args.max_new_tokens, f"256 prompt (tools: 115-152) + "
-                           f"{args.max_new_tokens} response tokens, tool results included")
+        return run.dry_run(args, 256 + args.max_new_tokens, "256 prompt tokens + --max-new-tokens")
     env, train_tasks, eval_tasks = build_envs(args)  # before the model: errors cost no load
     r = run.setup(args, desc=f"arpo[{args.rollout}]")
     held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, env, eval_tasks, args,
@@ -719,8 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
     r.extra["rl"] = held_out("rl")
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
-    run.show_transcripts(args, ["cold_start" if "cold_start" in r.extra else "base", "rl"])
-    final = {**line, **r.extra["rl"], **summary(r.extra, len(eval_tasks))}
+    final = {**line, **r.extra["rl"], **summary(r.extra, len(eval_tasks), args)}
     dist.cleanup()
     return final
 
