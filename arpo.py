@@ -626,11 +626,10 @@ def evaluate(generator, tokenizer, env, tasks: list, args: Args, stage: str) -> 
     prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
     rollouts = rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed), greedy=True)
     rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
-    run.write_transcripts(args, stage, [
-        dict(task=tasks[r.question], won=info.get("won"), reward=reward, prompt=tokenizer.decode(prompts[i]),
-             turns=[dict(response=text, observation=result)
-                    for text, result in run.text_turns(tokenizer, r.response_ids, r.policy_mask)[1:]])
-        for i, (r, reward, info) in enumerate(zip(rollouts, rewards, infos, strict=True))])
+    run.write_transcripts(args, stage, [run.transcript(
+        tokenizer, prompts[r.question] + r.response_ids, [0] * len(prompts[r.question]) + r.policy_mask,
+        task=tasks[r.question], won=info.get("won"), reward=reward)
+        for r, reward, info in zip(rollouts, rewards, infos, strict=True)])
     m = rollout_metrics(rollouts, rewards, infos, len(tasks))
     return {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
             "eval/format_error_rate": m["format_error_rate"],
@@ -649,14 +648,10 @@ def build_envs(args: Args) -> tuple:
 
 
 def summary(extra: dict, n_questions: int, args: Args) -> dict:
-    """Print held-out question 0 before and after RL, then each stage's held-out success / reward; return
-    them (eval_before, reward_before, ...)."""
-    run.show_transcripts(args, ["cold_start" if "cold_start" in extra else "base", "rl"])
+    """Print held-out question 0 before and after RL, then each stage's held-out success and mean reward;
+    return them (eval_before, reward_before, ...)."""
+    run.report(args, extra, n_questions, also="eval/reward_mean")
     stages = {s: extra[s] for s in run.STAGES if s in extra}  # a resumed run: from its checkpoint
-    run.say(f"held-out ({n_questions} questions, greedy) success / reward: " + " -> ".join(
-        f"{s.replace('_', ' ')} {round(m['eval/success_rate'] * n_questions)}/{n_questions} / "
-        f"{m['eval/reward_mean']:.3f}"
-        for s, m in stages.items()))
     names = {"base": "before", "cold_start": "cold_start", "rl": "after"}
     return {f"{k}_{names[s]}": m[f"eval/{v}"] for s, m in stages.items()
             for k, v in (("eval", "success_rate"), ("reward", "reward_mean"))}

@@ -497,17 +497,12 @@ def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
     return out
 
 
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, eos_ids: set[int], stage: str
-             ) -> dict:
+def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, eos_ids: set, stage: str) -> dict:
     """Greedy decoding on held-out tasks (paper: eval at temperature 0); transcripts in <out>/transcripts."""
     eps = rollout(generator, tokenizer, pool, tasks, 1, args, temperature=0.0,
                   max_turns=args.eval_max_turns or args.max_turns, seed=args.seed, eos_ids=eos_ids)
-    texts = [run.text_turns(tokenizer, e.ids, e.action_mask) for e in eps]  # [(prompt, ""), (turn, reply)...]
-    run.write_transcripts(args, stage, [
-        dict(task=e.task, won=e.won, reward=e.reward, prompt=text[0][0], turns=[
-            dict(response=response, action=action, observation=reply)
-            for (response, reply), action in zip(text[1:], e.actions, strict=False)])
-        for e, text in zip(eps, texts, strict=True)])
+    run.write_transcripts(args, stage, [run.transcript(tokenizer, e.ids, e.action_mask, e.actions,
+                                                       task=e.task, won=e.won, reward=e.reward) for e in eps])
     errors = [e.env_error for e in eps if e.env_error is not None]
     warn_env_errors("held-out evaluation", len(errors), len(eps), errors[:1])
     return {"eval/success_rate": sum(e.won for e in eps) / len(eps),
@@ -646,11 +641,7 @@ def main(argv: list[str] | None = None) -> dict:
     r.extra["rl"] = held_out("rl")
     r.logger.log({"step": args.steps, **r.extra["rl"]})
     r.logger.close()
-    run.show_transcripts(args, ["cold_start" if "cold_start" in r.extra else "base", "rl"])
-    stages, n = (("base", "before"), ("cold_start", "cold start"), ("rl", "after LOOP")), len(eval_tasks)
-    run.say(f"held-out success ({n} tasks, greedy): " + " -> ".join(
-        f"{name} {round(r.extra[stage]['eval/success_rate'] * n)}/{n}" for stage, name in stages
-        if stage in r.extra))
+    run.report(args, r.extra, len(eval_tasks))
     dist.cleanup()
     return {**line, **r.extra["rl"]}
 

@@ -848,7 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
         r.logger.log({"step": 0, **r.extra["base"]})
     if args.cold_start and "cold_start" not in r.extra:
         log = cold_start(r, env, options, train_tasks, args)
-        r.extra["cold_start"] = held_out("rft", 0)
+        r.extra["cold_start"] = held_out("cold_start", 0)
         r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
                                            for k, v in r.extra["cold_start"].items()}})
         run.save(r, args, 0)
@@ -884,13 +884,7 @@ def main(argv: list[str] | None = None) -> dict:
         r.logger.log({"step": args.steps, **r.extra["rl"]})
         run.save(r, args, args.steps)
     r.logger.close()
-    stages = [s for s in run.STAGES if s in r.extra]
-    run.show_transcripts(args, ["rft" if "cold_start" in r.extra else "base", "rl"])
-    n = len(eval_tasks)
-    run.say("held-out success: " + " -> ".join(f"{s} {round(r.extra[s]['eval/success_rate'] * n)}/{n}"
-                                               for s in stages)
-            + "  | score: " + " -> ".join(f"{s} {r.extra[s]['eval/score']:.3f}" for s in stages)
-            + f"  ({(time.time() - t_begin) / 60:.1f} min)")
+    run.report(args, r.extra, len(eval_tasks), also="eval/score", t_begin=t_begin)
     dist.cleanup()
     return r.extra
 

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -258,18 +259,18 @@ def write_transcripts(args, stage: str, episodes: list[dict]) -> None:
         f.writelines(json.dumps(ep, default=str) + "\n" for ep in episodes)
 
 
-def text_turns(tokenizer, ids: list[int], generated: list) -> list[tuple[str, str]]:
-    """A token sequence cut where the model's tokens (generated 1) start and end: (context before the first
-    model token, "") then, per run of model tokens, (its text, the context text after it)."""
+def transcript(tokenizer, ids: list[int], generated: list, actions: list | None = None, **fields) -> dict:
+    """An episode kept as one token sequence, as text: `fields`, the prompt (the context before the model's
+    first token), then per run of model tokens (generated 1) a turn: its text, its action (if given) and the
+    context after it, the environment's reply."""
     pairs = zip(ids, generated, strict=True)
     runs = [(bool(g), [t for t, _ in grp]) for g, grp in itertools.groupby(pairs, lambda x: x[1])]
     if runs and runs[0][0]:
         runs.insert(0, (False, []))
-    out = [(tokenizer.decode(runs[0][1]) if runs else "", "")]
-    for i in range(1, len(runs), 2):
-        after = runs[i + 1][1] if i + 1 < len(runs) else []
-        out.append((tokenizer.decode(runs[i][1]), tokenizer.decode(after)))
-    return out
+    turns = [dict(response=tokenizer.decode(runs[i][1]), **({"action": actions[i // 2]} if actions else {}),
+                  observation=tokenizer.decode(runs[i + 1][1]) if i + 1 < len(runs) else "")
+             for i in range(1, len(runs), 2)]
+    return dict(fields, prompt=tokenizer.decode(runs[0][1]) if runs else "", turns=turns)
 
 
 def show_transcripts(args, stages: list[str], index: int = 0, width: int = 90) -> None:
@@ -291,6 +292,17 @@ def show_transcripts(args, stages: list[str], index: int = 0, width: int = 90) -
             action = str(turn.get("action") or turn.get("response", "")).strip()
             print(f"  {k + 1}. {action!r:.{width // 2}} -> {reply:.{width}}")
         sys.stdout.flush()
+
+
+def report(args, extra: dict, n_tasks: int, also: str = "", t_begin: float | None = None) -> None:
+    """A run's last words: held-out episode 0 before RL (after the cold start, if any) and after it, then each
+    stage's held-out successes as counts, and `also` (a second eval/ key) per stage."""
+    show_transcripts(args, ["cold_start" if "cold_start" in extra else "base", "rl"])
+    stages = [s for s in STAGES if s in extra]  # a resumed run: from its checkpoint
+    say(f"held-out success ({n_tasks} tasks): " + " -> ".join(
+        f"{s} {round(extra[s]['eval/success_rate'] * n_tasks)}/{n_tasks}" for s in stages)
+        + (f"  | {also.removeprefix('eval/')}: " + " -> ".join(f"{s} {extra[s][also]:.3f}" for s in stages)
+           if also else "") + (f"  ({(time.time() - t_begin) / 60:.1f} min)" if t_begin else ""))
 
 
 def save(run: Run, args, step: int) -> None:

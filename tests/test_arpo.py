@@ -416,7 +416,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
     assert train_rewards(tmp_path / "straight") == train_rewards(tmp_path / "resumed")[-3:]
     stages = [f"{k}_{s}" for s in ("before", "cold_start", "after") for k in ("eval", "reward")]
     assert {k: resumed[k] for k in stages} == {k: straight[k] for k in stages}
-    summary = r"success / reward: base \S+ / \S+ -> cold start \S+ / \S+ -> rl "  # the resumed run's
+    summary = r"success \(\d+ tasks\): base \S+ -> cold_start \S+ -> rl \S+  \| reward_mean: base "  # resumed
     assert re.search(summary, capsys.readouterr().out)
 
 

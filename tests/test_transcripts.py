@@ -13,13 +13,16 @@ from common import run
 from common.models import byte_tokenizer
 
 
-def test_text_turns_cuts_at_the_models_tokens():
+def test_transcript_cuts_a_sequence_at_the_models_tokens():
     tok = byte_tokenizer()  # one id per byte: the texts below are the ids' bytes
     ids = list(b"Q?") + list(b"a1") + list(b"<r>") + list(b"a2")
     generated = [0, 0, 1, 1, 0, 0, 0, 1, 1]
-    assert run.text_turns(tok, ids, generated) == [("Q?", ""), ("a1", "<r>"), ("a2", "")]
-    # a sequence that starts with model tokens (arpo's response): an empty context first
-    assert run.text_turns(tok, list(b"xy"), [1, 1]) == [("", ""), ("xy", "")]
+    assert run.transcript(tok, ids, generated, ["go", "stop"], won=True) == {
+        "won": True, "prompt": "Q?", "turns": [{"response": "a1", "action": "go", "observation": "<r>"},
+                                               {"response": "a2", "action": "stop", "observation": ""}]}
+    # a sequence that starts with model tokens, no actions given (arpo: tool results are the replies)
+    assert run.transcript(tok, list(b"xy"), [1, 1]) == {"prompt": "", "turns": [
+        {"response": "xy", "observation": ""}]}
 
 
 def _episodes(folder, stage: str) -> list[dict]:
@@ -60,4 +63,4 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
     assert printed.count("--- held-out episode 0") == 2
     assert re.search(rf"--- held-out episode 0 .*, {before}: (won|lost)", printed)
     assert re.search(r"--- held-out episode 0 .*, rl: (won|lost)", printed)
-    assert re.search(r"rl \d/2", printed) or re.search(r"after LOOP \d/2", printed)
+    assert re.search(r"held-out success \(2 tasks\): base \d/2 .*-> rl \d/2", printed)
