@@ -648,7 +648,7 @@ def build_envs(args: Args) -> tuple:
 
 
 def summary(extra: dict, n_questions: int, args: Args) -> dict:
-    """Print held-out question 0 before and after RL, then each stage's held-out success and mean reward;
+    """Print a held-out question before and after RL, then each stage's held-out success and mean reward;
     return them (eval_before, reward_before, ...)."""
     run.report(args, extra, n_questions, also="eval/reward_mean")
     stages = {s: extra[s] for s in run.STAGES if s in extra}  # a resumed run: from its checkpoint

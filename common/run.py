@@ -273,15 +273,20 @@ def transcript(tokenizer, ids: list[int], generated: list, actions: list | None 
     return dict(fields, prompt=tokenizer.decode(runs[0][1]) if runs else "", turns=turns)
 
 
-def show_transcripts(args, stages: list[str], index: int = 0, width: int = 90) -> None:
-    """Print held-out episode `index` as each stage played it (e.g. before and after RL): its actions, the
-    environment's replies, the outcome. The full text is in <out>/transcripts/."""
-    for stage in stages:
-        path = os.path.join(args.out, "transcripts", f"{stage}.jsonl")
-        if not dist.is_main() or not os.path.isfile(path):
-            continue
+def show_transcripts(args, stages: list[str], width: int = 90) -> None:
+    """Print one held-out episode as each stage played it (e.g. before and after RL): the first whose outcome
+    differs between the stages (else the first), its actions, the environment's replies, the outcome. The
+    full text is in <out>/transcripts/."""
+    paths = [os.path.join(args.out, "transcripts", f"{stage}.jsonl") for stage in stages]
+    if not dist.is_main() or not all(os.path.isfile(p) for p in paths):
+        return
+    runs = []
+    for path in paths:
         with open(path) as f:
-            episodes = [json.loads(line) for line in f]
+            runs.append([json.loads(line) for line in f])
+    outcomes = zip(*([bool(ep.get("won")) for ep in eps] for eps in runs), strict=False)  # per episode
+    index = next((i for i, won in enumerate(outcomes) if len(set(won)) > 1), 0)
+    for stage, episodes in zip(stages, runs, strict=True):
         if index >= len(episodes):
             continue
         ep = episodes[index]
@@ -291,11 +296,11 @@ def show_transcripts(args, stages: list[str], index: int = 0, width: int = 90) -
             reply = " ".join(re.sub(r"<\|[^|]*\|>", " ", str(turn.get("observation", ""))).split())
             action = str(turn.get("action") or turn.get("response", "")).strip()
             print(f"  {k + 1}. {action!r:.{width // 2}} -> {reply:.{width}}")
-        sys.stdout.flush()
+    sys.stdout.flush()
 
 
 def report(args, extra: dict, n_tasks: int, also: str = "", t_begin: float | None = None) -> None:
-    """A run's last words: held-out episode 0 before RL (after the cold start, if any) and after it, then each
+    """A run's last words: a held-out episode before RL (after the cold start, if any) and after it, then each
     stage's held-out successes as counts, and `also` (a second eval/ key) per stage."""
     show_transcripts(args, ["cold_start" if "cold_start" in extra else "base", "rl"])
     stages = [s for s in STAGES if s in extra]  # a resumed run: from its checkpoint

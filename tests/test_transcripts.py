@@ -60,7 +60,25 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
     prompt = first.get("prompt") or first["turns"][0]["prompt"]
     assert "<|im_start|>" in prompt
     # one held-out episode before RL and after it, then the summary in counts of the 2 held-out tasks
-    assert printed.count("--- held-out episode 0") == 2
-    assert re.search(rf"--- held-out episode 0 .*, {before}: (won|lost)", printed)
-    assert re.search(r"--- held-out episode 0 .*, rl: (won|lost)", printed)
+    assert printed.count("--- held-out episode ") == 2
+    assert re.search(rf"--- held-out episode \d .*, {before}: (won|lost)", printed)
+    assert re.search(r"--- held-out episode \d .*, rl: (won|lost)", printed)
     assert re.search(r"held-out success \(2 tasks\): base \d/2 .*-> rl \d/2", printed)
+
+
+def test_the_episode_shown_is_the_first_whose_outcome_changed(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(out=str(tmp_path))
+    turn = {"response": "r", "action": "go east", "observation": "<|im_end|>a room"}
+    before = [dict(task=t, won=False, reward=0, turns=[turn]) for t in ("a", "b", "c")]
+    after = [dict(task=t, won=t != "a", reward=int(t != "a"), turns=[turn]) for t in ("a", "b", "c")]
+    run.write_transcripts(args, "base", before)
+    run.write_transcripts(args, "rl", after)
+    run.show_transcripts(args, ["base", "rl"])
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["--- held-out episode 1 (b), base: lost, reward 0", "  1. 'go east' -> a room",
+                   "--- held-out episode 1 (b), rl: won, reward 1", "  1. 'go east' -> a room"]
+    run.write_transcripts(args, "rl", before)  # no outcome changed: the first episode
+    run.show_transcripts(args, ["base", "rl"])
+    assert capsys.readouterr().out.startswith("--- held-out episode 0 (a), base: lost")
