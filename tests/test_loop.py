@@ -7,7 +7,12 @@ import os
 import pytest
 import torch
 from learning_util import SEEDS, rise, train_curve
-from torchrun_util import DIST_SCRIPTS, ROOT, assert_ranks_match_one_process, torchrun
+from torchrun_util import (
+    DIST_SCRIPTS,
+    assert_ranks_match_one_process,
+    eight_ranks_then_resume,
+    torchrun,
+)
 
 import loop
 from common import run
@@ -342,28 +347,14 @@ def test_torchrun_update_equals_single_process(tmp_path):
 def test_torchrun_eight_ranks_log_global_metrics_once_and_resume_on_one_and_two(tmp_path):
     """World size 8 (issue 26): 3 tasks x K=2 on 8 ranks (5 without a task), then the 8-rank checkpoint
     resumes on 2 ranks and on one process."""
-    import shutil
-
-    out = tmp_path / "run"
     flags = [*TOY, "--tasks-per-step", "3", "--group-size", "2", "--minibatch-size", "4", "--threads", "1"]
-    proc = torchrun(os.path.join(ROOT, "loop.py"), *flags, "--out", str(out), "--steps", "1", nproc=8)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    proc, lines, final = eight_ranks_then_resume("loop.py", loop.main, flags, tmp_path)
     train = [x for x in lines if "reward_mean" in x]
     assert [x["step"] for x in train] == [1]  # logged once (rank 0), not once per rank
     assert train[0]["rollouts"] == 6 and train[0]["turns_per_episode"] == 2.0  # toy: 2 turns, every rank's
     assert sum("eval/success_rate" in x for x in lines) == 2  # before and after, rank 0 only
     assert proc.stdout.count("held-out success") == 1
-    assert (out / "checkpoints" / "step_1").is_dir()
-    shutil.copytree(out, tmp_path / "two")
-    proc = torchrun(os.path.join(ROOT, "loop.py"), *flags, "--out", str(tmp_path / "two"), "--steps", "2",
-                    "--resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = loop.main([*flags, "--out", str(out), "--steps", "2", "--resume"])  # and on one process
     assert final["step"] == 2
-    for run_dir in (out, tmp_path / "two"):
-        assert [x["step"] for x in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                if "reward_mean" in x] == [1, 2]
 
 
 # ---------------------------------------------------------------- cold start (scripted expert, SFT)

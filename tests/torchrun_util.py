@@ -2,7 +2,9 @@
 process: the launcher, the loader of a worker script, and the rank-vs-one-process parameter check."""
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,3 +55,23 @@ def assert_ranks_match_one_process(ranked_path: str, script: str, start: list[to
             assert torch.allclose(got, want, rtol=0, atol=atol), (step, (got - want).abs().max())
             moved += int(not torch.equal(want, before))
         assert moved > 0  # the update did something to compare
+
+
+def eight_ranks_then_resume(script: str, main, flags: list[str], tmp_path) -> tuple:
+    """`script` for one step on 8 ranks into tmp_path/run; then its checkpoint resumed for a second step on
+    2 ranks (a copy, tmp_path/two) and on one process (`main`). Both run folders must log training steps
+    [1, 2]. Returns the 8-rank process, the metrics rows it wrote, and `main`'s return value."""
+    out, two = tmp_path / "run", tmp_path / "two"
+    path = os.path.join(ROOT, script)
+    eight = torchrun(path, *flags, "--out", str(out), "--steps", "1", nproc=8)
+    assert eight.returncode == 0, eight.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (out / "checkpoints" / "step_1").is_dir()
+    shutil.copytree(out, two)
+    proc = torchrun(path, *flags, "--out", str(two), "--steps", "2", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = main([*flags, "--out", str(out), "--steps", "2", "--resume"])
+    for run_dir in (out, two):
+        assert [x["step"] for x in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if "reward_mean" in x] == [1, 2]
+    return eight, lines, final
