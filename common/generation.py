@@ -225,24 +225,31 @@ class HFGenerator:
                temperature: float, top_p: float, top_k: int, stop: list[str],
                logprobs_k: int) -> list[Sample]:
         device = next(self.model.parameters()).device
-        B, P = len(rows), max(len(r) for r in rows)
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # (B, P), left padded
-        attention_mask = torch.zeros((B, P), dtype=torch.long)  # (B, P)
-        for b, r in enumerate(rows):
+        # Identical rows (a group's G samples of one prompt, a turn resampled) share one prefill: the
+        # prompt's pass is most of a CPU rollout's time. Row b reads unique row `copy[b]`.
+        unique = list(dict.fromkeys(map(tuple, rows)))
+        copy = torch.tensor([unique.index(tuple(r)) for r in rows], device=device)  # (B,)
+        U, P = len(unique), max(len(r) for r in rows)
+        input_ids = torch.full((U, P), self.pad_id, dtype=torch.long)  # (U, P), left padded
+        attention_mask = torch.zeros((U, P), dtype=torch.long)  # (U, P)
+        for b, r in enumerate(unique):
             input_ids[b, P - len(r):] = torch.tensor(r)
             attention_mask[b, P - len(r):] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P): real tokens count from 0
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P): real tokens count from 0
         budget = [min(max_new_tokens, self.max_len - len(r)) for r in rows]
         window = max((len(s) for s in stop), default=0) + 8  # tokens to decode when looking for a stop string
         out = [Sample([], [], [], [] if logprobs_k else None, "length") for _ in rows]
-        active = list(range(B))  # original row index of each row still in the batch
+        active = list(range(len(rows)))  # original row index of each row still in the batch
         cache = None
         for t in range(max(budget)):
             o = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = o.past_key_values
             logits = o.logits[:, -1].float()  # (b, V)
+            if t == 0 and U < len(rows):  # one row per sample from here on
+                cache.batch_select_indices(copy)
+                logits, attention_mask, position_ids = logits[copy], attention_mask[copy], position_ids[copy]
             # report under the temperature-scaled distribution (temperature 1 when greedy), before top-k/p
             scaled = logits / (temperature or 1.0)  # (b, V)
             logp = F.log_softmax(scaled, dim=-1)  # (b, V)

@@ -85,6 +85,28 @@ def test_seeds_reproducible_and_samples_differ(gen):
     assert c[0][0].token_ids == a[0][1].token_ids
 
 
+def test_identical_prompts_share_one_prefill_and_sample_as_if_alone(policy, gen):
+    """A group's G rollouts of one prompt (and a resampled turn) prefill the prompt once; each row then
+    draws its own tokens, the same as that prompt generated alone with the row's seed."""
+    model, _ = policy
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: prefill_rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1
+        else None, with_kwargs=True)
+    try:
+        out = gen.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], n=2, max_new_tokens=8, seeds=[3, 9, 20])
+    finally:
+        hook.remove()
+    assert prefill_rows == [2]  # 6 rows, 2 distinct prompts
+    for prompt, seed, samples in zip([PROMPTS[0], PROMPTS[1], PROMPTS[0]], [3, 9, 20], out, strict=True):
+        for j, s in enumerate(samples):
+            alone = gen.generate([prompt], max_new_tokens=8, seeds=[seed + j])[0][0]
+            assert s.token_ids == alone.token_ids
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(alone.logprobs), atol=1e-5,
+                                       rtol=0)
+    assert out[0][0].token_ids != out[0][1].token_ids  # one prefill, different draws
+
+
 def test_continuing_from_a_prefix_reproduces_the_uninterrupted_generation(gen):
     full = gen.generate(PROMPTS, n=1, max_new_tokens=16, temperature=1.0, seeds=[5, 6])
     whole = full[1][0].token_ids
