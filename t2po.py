@@ -125,7 +125,7 @@ PRESETS: dict[str, dict] = {
 }
 for _preset in PRESETS.values():  # and verl's AdamW weight decay, 0.01
     _preset.update(max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
-                   gradient_checkpointing=True, weight_decay=0.01)
+                   gradient_checkpointing=True, weight_decay=0.01, autocast="auto")
 for _env in ("webshop", "alfworld"):  # their scripts' validation sampling
     PRESETS[_env].update(eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20)
 # the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their scripts' MODEL)
@@ -134,7 +134,7 @@ RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
 # webshop-lite on a CPU (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
 # observation format, which drops the page header that repeats the instruction.
 PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
-                               tds_max_try=1)
+                               tds_max_try=1, autocast="auto")
 # The default run, `python t2po.py` (ours; docs/t2po.md): TextWorld coin collector level 3 on a CPU: go
 # through the exit the task names, then the next one, take the coin (3 turns). Held-out games are held out
 # by walkthrough: no held-out game's solution is a training game's (envs/textworld_env.py). RFT on 12 expert
@@ -142,7 +142,7 @@ PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "ve
 PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
                                         '"holdout": "walkthrough"}',
                             tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
-                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1)
+                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto")
 
 
 def check_args(args: Args) -> None:
@@ -666,10 +666,11 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
     if not turns:
         return {}
     log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows])
-    loss = run.sft(r.policy, len(turns), log_likelihood, lr=args.cold_start_lr,
-                   weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                   epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
-                   permute=lambda n: rng.permutation(n).tolist())
+    with run.precision(args):
+        loss = run.sft(r.policy, len(turns), log_likelihood, lr=args.cold_start_lr,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
+                       permute=lambda n: rng.permutation(n).tolist())
     r.generator.update_weights(r.model)
     run.say(f"[rft] SFT loss {loss:.3f}  ({time.time() - t0:.0f}s)")
     return {"cold_start/episodes": sum(ep["won"] for ep in episodes), "cold_start/samples": len(turns),
@@ -712,19 +713,36 @@ def turn_batch(samples: list[dict], device=None) -> tuple[torch.Tensor, torch.Te
     return pad(seqs, torch.long), pad([[1] * len(s) for s in seqs], torch.long), pad(masks, torch.float32)
 
 
+def turn_key(sample: dict) -> tuple:
+    return tuple(sample["prompt_ids"]), tuple(sample["response_ids"]), tuple(sample["mask"])
+
+
 def microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
-    """(samples, weight) micro-batches, as many on every rank (dist.same_count). A rank with no samples runs
-    a placeholder whose one target token keeps the backward connected to the weights (its weight is 0)."""
+    """(samples, weight) micro-batches of at most `size` distinct turns, with every copy of each (a group's
+    rollouts often play the same turn; turn_logprobs runs it once), shortest first so that they pad little;
+    as many on every rank (dist.same_count). A rank with no samples runs a placeholder whose one target
+    token keeps the backward connected to the weights (its weight is 0)."""
     filler = samples[:1] or [dict(prompt_ids=[0], response_ids=[0], mask=[1], advantage=0.0)]
-    return dist.same_count([samples[b:b + size] for b in range(0, len(samples), size)], filler)
+    copies = defaultdict(list)
+    for s in samples:
+        copies[turn_key(s)].append(s)
+    distinct = sorted(copies, key=lambda k: len(k[0]) + len(k[1]))
+    return dist.same_count([[s for k in distinct[b:b + size] for s in copies[k]]
+                            for b in range(0, len(distinct), size)], filler)
 
 
 def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T-1) log-probs of each turn's response tokens under `model` (prompt positions are 0: the
-    vocabulary projection runs on response tokens only), and the (B, T-1) loss mask of policy tokens."""
-    ids, attn, loss_mask = turn_batch(batch, next(model.parameters()).device)
-    mask = loss_mask[:, 1:]  # (B, T-1): logp[:, t] scores token t+1
-    return token_logprobs(model, ids, attn, temperature=temperature, target_mask=mask), mask
+    vocabulary projection runs on response tokens only), and the (B, T-1) loss mask of policy tokens.
+    A turn that occurs several times in the batch runs through the model once (its gradient is the sum)."""
+    keys = [turn_key(s) for s in batch]
+    distinct = list(dict.fromkeys(keys))
+    copy = [distinct.index(k) for k in keys]  # row b of the batch is distinct turn copy[b]
+    device = next(model.parameters()).device
+    ids, attn, loss_mask = turn_batch([batch[keys.index(k)] for k in distinct], device)  # (U, T)
+    mask = loss_mask[:, 1:]  # (U, T-1): logp[:, t] scores token t+1
+    logp = token_logprobs(model, ids, attn, temperature=temperature, target_mask=mask)  # (U, T-1)
+    return logp[copy], mask[copy]  # (B, T-1)
 
 
 def sft_log_likelihood(policy, turns: list[dict]) -> tuple[torch.Tensor, float]:
@@ -764,19 +782,19 @@ def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Ge
     sample count and each token-mean divides by the minibatch's global token count, so one optimizer step
     is the same on 1 or 8 ranks (exactly so with one minibatch)."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
-    # π_old: the policy that sampled the turns, recomputed by the training model. With one minibatch the
-    # policy is still π_old during the update (no dropout in these models), so the update's own forward,
-    # detached, is the same number and the extra forward pass is skipped.
-    recompute = n_minibatches > 1
-    if recompute:
-        policy_logprobs(policy, samples, args, "old_logp")
+    order = rng.permutation(len(samples))
+    parts = np.array_split(order, n_minibatches)  # exactly n_minibatches on every rank
+    # π_old: the policy that sampled the turns, recomputed by the training model. The first minibatch
+    # trains on π_old itself (no dropout in these models): its own forward, detached, is the same number.
+    # The later minibatches' π_old is computed now, before the first optimizer step moves the policy.
+    if n_minibatches > 1:
+        policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
     if args.kl_coef > 0:
         policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
                         adapter_off=reference is None)
     policy.train()
-    order = rng.permutation(len(samples))
     totals = defaultdict(float)
-    for part in np.array_split(order, n_minibatches):  # exactly n_minibatches on every rank
+    for index, part in enumerate(parts):
         minibatch = [samples[i] for i in part]
         n_tokens = max(1.0, dist.all_reduce(float(sum(sum(s["mask"]) for s in minibatch))))  # global count
         optimizer.zero_grad()
@@ -785,7 +803,7 @@ def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Ge
             mask = mask * weight  # weight 0: a placeholder micro-batch, zero gradient
             width = logp.shape[1]
             # a weight-0 placeholder (a rank short of micro-batches) has no stored log-probs: loss 0 anyway
-            old = stacked(batch, "old_logp", width) if recompute and weight else logp.detach()
+            old = stacked(batch, "old_logp", width) if index > 0 and weight else logp.detach()
             adv = torch.tensor([s["advantage"] for s in batch], device=logp.device)[:, None]  # (B, 1)
             loss, n_clipped = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, args.dual_clip)
             if args.kl_coef > 0:  # token-mean of the per-token KL estimate
@@ -869,7 +887,8 @@ def main(argv: list[str] | None = None) -> dict:
                                       args.step_similarity)
         update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])  # minibatch order
         samples = turn_samples(episodes, advantages)
-        result = update(r.policy, r.optimizer, samples, args, update_rng, r.reference)
+        with run.precision(args):  # bf16 matmuls where the hardware has them (--autocast)
+            result = update(r.policy, r.optimizer, samples, args, update_rng, r.reference)
         r.generator.update_weights(r.model)  # each rank's own generator samples from the new policy
         line = {"step": step + 1, **summarise(episodes, stats, gather=True), **result,
                 "time_s": time.time() - t_rl, "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,

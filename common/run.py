@@ -11,6 +11,7 @@ in the scripts.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 import os
@@ -48,6 +49,9 @@ class RunArgs:
     lora_rank: int = opt("model", 0, "LoRA rank; 0 = full fine-tune", ge=0)
     lora_alpha: int = opt("model", 32, "LoRA alpha", gt=0)
     dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
+    autocast: Literal["off", "bf16", "auto"] = opt(
+        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay fp32: verl's "
+        "mixed precision); auto: bf16 on a GPU or a CPU that has it natively (AVX512-BF16, AMX), else off")
     gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (long sequences; "
                                        "docs/scaling.md)")
     backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine: auto = vLLM when "
@@ -228,11 +232,38 @@ def setup(args, desc: str) -> Run:
     if state is not None:
         generator.update_weights(model)
         say(f"{script}: resumed from step {state['step']}")
+    if args.autocast != "off":
+        say(f"--autocast {args.autocast}: training passes in {'bf16' if bf16_training(args) else 'fp32'}")
     logger = MetricsLogger(args.out, args.steps, desc, initial_step=state["step"] if state else None,
                            report_to=args.report_to, config=asdict(args), enabled=dist.is_main())
     return Run(model=model, policy=policy, tokenizer=tokenizer, generator=generator, optimizer=optimizer,
                reference=reference, logger=logger, start_step=state["step"] if state else 0,
                extra=stage_results((state or {}).get("extra") or {}), device=device)
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX); elsewhere torch emulates it,
+    slower than fp32."""
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_training(args) -> bool:
+    """--autocast resolved: bf16, or auto on a GPU or on a CPU with native bf16."""
+    auto = args.autocast == "auto" and (torch.cuda.is_available() or native_bf16())
+    return args.autocast == "bf16" or auto
+
+
+def precision(args) -> torch.autocast:
+    """The training passes' precision (--autocast): bf16 matmuls under torch.autocast, or fp32. On this
+    project's 2-core CPU (AVX512-BF16) bf16 trains 1.9x faster; log-probs move by ~0.04 nats
+    (benchmarks/bench_precision.py)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16_training(args))
 
 
 # the held-out results a checkpoint keeps, by stage; the names checkpoints written before 2026-12 used

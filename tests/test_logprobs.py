@@ -181,3 +181,41 @@ def test_target_mask_skips_the_vocabulary_projection_of_dropped_targets():
     hook.remove()
     # the model's own forward (logits of each row's last position: 2), then our 3 kept targets (not 13)
     assert rows == [2, 3]
+
+
+def test_autocast_auto_trains_in_bf16_only_where_the_hardware_has_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from common import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for native, expected in ((False, False), (True, True)):
+        monkeypatch.setattr(run, "native_bf16", lambda native=native: native)
+        assert run.bf16_training(SimpleNamespace(autocast="auto")) is expected
+        assert run.bf16_training(SimpleNamespace(autocast="bf16")) is True  # asked for: even emulated
+        assert run.bf16_training(SimpleNamespace(autocast="off")) is False
+
+
+def test_bf16_autocast_moves_log_probs_a_little_and_keeps_fp32_weights_and_gradients():
+    from types import SimpleNamespace
+
+    from common import run
+
+    model, tokenizer = load_policy(TINY_MODEL)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)  # a peaked distribution, as a trained model's
+    ids = torch.randint(5, len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(0))  # (B, T)
+    mask = torch.ones_like(ids)
+    fp32 = token_logprobs(model, ids, mask)  # (B, T-1)
+    fp32.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with run.precision(SimpleNamespace(autocast="bf16")):
+        bf16 = token_logprobs(model, ids, mask)
+    bf16.sum().backward()
+    assert bf16.dtype == torch.float32
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+    diff = (bf16 - fp32).abs()
+    assert 0 < diff.mean() < 0.1  # bf16 matmuls ran (8 mantissa bits), and stayed close
+    err = torch.stack([(p.grad - g).norm() for p, g in zip(model.parameters(), grads, strict=True)]).norm()
+    assert err / torch.stack([g.norm() for g in grads]).norm() < 0.1

@@ -264,6 +264,73 @@ def test_update_moves_the_policy_toward_positive_advantages(tiny_policy):
     assert logp(good) > before[0] and logp(bad) < before[1]
 
 
+def logp_by_hand(model, sample: dict) -> torch.Tensor:
+    """log π of each response token from one unpadded forward of the bare model: (len(response),)."""
+    ids = torch.tensor([sample["prompt_ids"] + sample["response_ids"]])  # (1, T)
+    logits = model(input_ids=ids).logits[0, len(sample["prompt_ids"]) - 1:-1]  # (N, V): the response
+    targets = torch.tensor(sample["response_ids"])[:, None]  # (N, 1)
+    return torch.log_softmax(logits.float(), -1).gather(-1, targets)[:, 0]
+
+
+def test_a_repeated_turn_runs_through_the_model_once_and_its_gradient_is_the_sum(tiny_policy):
+    """A group's rollouts often play the same turn: turn_logprobs runs each distinct turn once and hands every
+    copy the same log-probs; the gradient of a loss over the copies equals the sum of one forward per copy."""
+    model, _ = tiny_policy
+    a = dict(prompt_ids=[11, 12, 13], response_ids=[21, 22], mask=[1, 1], advantage=1.0)
+    b = dict(prompt_ids=[11, 14], response_ids=[31, 32, 33], mask=[1, 0, 1], advantage=0.5)
+    batch = [a, dict(a, advantage=-2.0), b, dict(a, advantage=0.25)]
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    logp, mask = t2po.turn_logprobs(model, batch, 1.0)  # (4, T-1)
+    hook.remove()
+    assert rows == [2]  # a and b, once each
+    weights = torch.tensor([s["advantage"] for s in batch])[:, None]  # (4, 1)
+    (logp * mask * weights).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = sum(s["advantage"] * (logp_by_hand(model, s) * torch.tensor(s["mask"])).sum() for s in batch)
+    expected.backward()
+    for row, s in zip(logp.detach(), batch, strict=True):  # prompt positions 0, then the response's log π
+        n = len(s["prompt_ids"])
+        torch.testing.assert_close(row[n - 1:n - 1 + len(s["response_ids"])] * torch.tensor(s["mask"]),
+                                   logp_by_hand(model, s).detach() * torch.tensor(s["mask"]), atol=1e-5,
+                                   rtol=0)
+    for got, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_microbatches_hold_at_most_size_distinct_turns_with_every_copy():
+    turn = lambda n, tag: dict(prompt_ids=[tag] * n, response_ids=[7], mask=[1])
+    samples = [turn(5, 1), turn(3, 2), turn(5, 1), turn(9, 3), turn(3, 2), turn(4, 4), turn(5, 1)]
+    for i, s in enumerate(samples):
+        s["id"] = i  # copies compare equal as turns, not as samples
+    batches = t2po.microbatches(samples, 2)
+    assert [w for _, w in batches] == [1.0, 1.0]
+    assert [[s["id"] for s in b] for b, _ in batches] == [[1, 4, 5], [0, 2, 6, 3]]  # shortest first
+    assert sorted(s["id"] for b, _ in batches for s in b) == list(range(7))
+
+
+def test_later_minibatches_take_pi_old_from_before_the_first_step(tiny_policy):
+    """Two minibatches: the second one's π_old is the policy that sampled the turns (computed before the first
+    optimizer step), the first one's is its own forward (ratio 1: nothing clipped at lr 0)."""
+    import numpy as np
+
+    model, _ = tiny_policy
+    samples = [dict(prompt_ids=[11, 12], response_ids=[21, 22], mask=[1, 1], advantage=1.0),
+               dict(prompt_ids=[13, 14, 15], response_ids=[31], mask=[1], advantage=-1.0)]
+    with torch.no_grad():
+        before = [logp_by_hand(model, s) for s in samples]
+    args = t2po.Args(lr=0.5, minibatch_size=1, micro_batch_size=1, temperature=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    t2po.update(model, optimizer, samples, args, np.random.default_rng(0))
+    order = np.random.default_rng(0).permutation(2)  # update's minibatch order
+    first, second = samples[order[0]], samples[order[1]]
+    assert "old_logp" not in first
+    n = len(second["prompt_ids"])
+    torch.testing.assert_close(second["old_logp"][n - 1:], before[order[1]], atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow
 def test_torchrun_update_equals_single_process(tmp_path):
     """tests/dist_scripts/t2po_update.py: 2 ranks (3 groups: 2 on rank 0, 1 on rank 1, so rank 1 pads with
