@@ -61,6 +61,9 @@ class Args(RunArgs):
     cold_start_lr: float = 5e-5
     epochs: int = opt("run", 0, "> 0: set --steps to this many passes over the training tasks, "
                       "tasks-per-step at a time (the search preset: 1, its script's total_epochs)", ge=0)
+    autocast: Literal["off", "bf16", "auto"] = opt(
+        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay fp32: verl's "
+        "mixed precision); auto (every preset): on a GPU or a CPU with native bf16 (AVX512-BF16, AMX)")
     history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)", ge=0)
     max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts", ge=1)
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)

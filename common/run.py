@@ -49,9 +49,6 @@ class RunArgs:
     lora_rank: int = opt("model", 0, "LoRA rank; 0 = full fine-tune", ge=0)
     lora_alpha: int = opt("model", 32, "LoRA alpha", gt=0)
     dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
-    autocast: Literal["off", "bf16", "auto"] = opt(
-        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay fp32: verl's "
-        "mixed precision); auto: bf16 on a GPU or a CPU that has it natively (AVX512-BF16, AMX), else off")
     gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (long sequences; "
                                        "docs/scaling.md)")
     backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine: auto = vLLM when "
@@ -232,7 +229,7 @@ def setup(args, desc: str) -> Run:
     if state is not None:
         generator.update_weights(model)
         say(f"{script}: resumed from step {state['step']}")
-    if args.autocast != "off":
+    if getattr(args, "autocast", "off") != "off":  # the scripts that declare --autocast (t2po.py)
         say(f"--autocast {args.autocast}: training passes in {'bf16' if bf16_training(args) else 'fp32'}")
     logger = MetricsLogger(args.out, args.steps, desc, initial_step=state["step"] if state else None,
                            report_to=args.report_to, config=asdict(args), enabled=dist.is_main())
