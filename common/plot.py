@@ -40,6 +40,7 @@ TRAIN_PANELS: list[tuple[str, Callable[[dict], float | None]]] = [
     ("training success (success_rate)", _key("success_rate")),
     ("generated tokens per turn", _tokens_per_turn),
     ("seconds per step", _step_seconds),
+    ("of which rollout (time_rollout_s)", _key("time_rollout_s")),
 ]
 
 
