@@ -1,17 +1,11 @@
-"""T²PO — Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178), on GiGPO.
-
-A multi-turn LLM agent writes `<think>…</think><action>…</action>` each turn. T²PO adds two
-uncertainty-guided controls to GiGPO's rollouts:
-
-- TTI (token level): while the agent thinks, track the self-calibrated uncertainty M_t; once its
-  token-to-token change has flattened out (mean |M_t − M_{t−1}| over a window < ε), or at a thinking
-  cap, force `</think>\\n<action>` so the agent acts instead of over-thinking.
-- TDS (turn level, training only): if a turn's aggregate uncertainty Φ_k barely differs from the
-  previous turn's, the turn is probably a repeat: throw it away and resample it from the same state.
-
-Everything else is GiGPO (verl-agent): one training sample per turn with a windowed prompt, an
-episode-level group advantage plus a step-level advantage over anchor-state groups, PPO-clip, no KL.
-Before RL a rejection-sampling fine-tune (RFT) teaches the format from successful trajectories.
+"""T²PO — Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO plus two
+uncertainty-guided controls on the rollouts of an agent that writes `<think>…</think><action>…</action>`:
+- TTI (token level): once the thinking's self-calibrated uncertainty M_t has flattened out (mean
+  |M_t − M_{t−1}| over a window < ε), or at a thinking cap, force `</think>\\n<action>`.
+- TDS (turn level, training only): a turn whose aggregate uncertainty Φ_k barely differs from the previous
+  turn's is probably a repeat: throw it away and resample it from the same state.
+The rest is GiGPO (verl-agent): one sample per turn with a windowed prompt, episode- plus step-level group
+advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the format.
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
@@ -110,10 +104,8 @@ class Args(RunArgs):
         "once the action is written: what TTI is meant to cut; needs --max-new-tokens 96)")
 
 
-# The paper's settings per environment (T²PO's scripts on verl-agent, examples/*_trainer/train_*.sh; webshop
-# validates on the 2 x 128 tasks its script prepares); a flag given explicitly wins. total_epochs=200 over a
-# 16-task training set is 200 steps. They start from --model with RFT off: the paper starts RL from its own
-# RFT checkpoints (RFT_CHECKPOINTS), as check_args says.
+# The paper's settings (its scripts, examples/*_trainer/train_*.sh; webshop validates on 2 x 128 tasks; 200
+# epochs of 16 tasks: 200 steps); a flag given wins. From --model, RFT off (the paper: from RFT_CHECKPOINTS).
 PRESETS: dict[str, dict] = {
     "webshop": dict(group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
                     history_length=2, tti_max_think=450, eval_tasks=256, steps=200, cold_start=False,
@@ -121,7 +113,6 @@ PRESETS: dict[str, dict] = {
     "alfworld": dict(group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6,
                      history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
                      std_normalize=True, kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True),
-    # search: group 5, 256 questions, 4 turns, history 4, similarity grouping, one epoch over the data
     "search": dict(group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
                    history_length=4, tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False,
                    std_normalize=True, step_similarity=0.9, minibatch_size=256),
@@ -132,16 +123,12 @@ for _preset in PRESETS.values():  # and verl's AdamW weight decay, 0.01
 for _env in ("webshop", "alfworld"):  # their scripts' validation sampling
     PRESETS[_env].update(eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20)
 # the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their scripts' MODEL)
-RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
-                   "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
-# webshop-lite on a CPU (ours): no product options (search, click the item, buy: 3 turns), and verl-agent's
-# observation format, which drops the page header that repeats the instruction.
+RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5", "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
+# webshop-lite (ours, CPU): no product options (3 turns), verl-agent's observations (no header with the task)
 PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
                                tds_max_try=1, autocast="auto")
-# The default run, `python t2po.py` (ours; docs/t2po.md): TextWorld coin collector level 3 on a CPU: go
-# through the exit the task names, then the next one, take the coin (3 turns). Held-out games are held out
-# by walkthrough: no held-out game's solution is a training game's (envs/textworld_env.py). RFT on 12 expert
-# episodes teaches the format; 2 tasks x 8 rollouts per step (the paper's group), 4 RL steps.
+# The default run (ours; docs/t2po.md): TextWorld coin collector level 3 on a CPU (two exits, the coin: 3
+# turns; held out by walkthrough), RFT on 12 expert episodes, then 4 RL steps of 2 tasks x 8 rollouts.
 PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
                                         '"holdout": "walkthrough"}',
                             tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
@@ -161,9 +148,7 @@ def check_args(args: Args) -> None:
                 f"checkpoint ({checkpoint}); its numbers are not comparable to the paper's")
 
 
-# Prompting (verl-agent templates, shortened): task, last P turns, current observation, admissible
-# actions. Each turn is one training sample: this prompt -> the model's response.
-
+# Prompting: task, last P turns, current observation, admissible actions; a turn's sample: prompt -> response.
 TURN_TEMPLATE = """Task: {task}
 {history}Step {step}. Observation: {observation}
 Admissible actions: [{actions}].
@@ -172,9 +157,8 @@ Reason step by step inside <think> </think>, then give one admissible action ins
 
 def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: str,
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
-    """history: all (observation, action) pairs so far; only the last P are shown (memory window).
-    verl-agent's wording, shortened: on a CPU every prompt token is paid for at every turn, twice (rollout
-    prefill and training forward); the fixed text is 44 tokens instead of verl-agent's 118."""
+    """history: every (observation, action) so far; the last P are shown. verl-agent's wording, shortened (on
+    a CPU each prompt token is paid twice a turn, prefill and training forward): 44 fixed tokens, not 118."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
@@ -193,11 +177,9 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Format check and projection to an env action (the official projection, agent_system/environments/
-# env_package/*/projection.py): exactly one <think>…</think> then one <action>…</action>, nothing else, tags
-# matched case-insensitively; the action is lower-cased. An ill-formed turn is invalid (penalised) but still
-# acts: the first <action>…</action> block if there is one, else the text's last 30 characters.
-
+# Format check and projection to an action (official: agent_system/environments/env_package/*/projection.py):
+# one <think>…</think> then one <action>…</action>, nothing else, tags case-insensitive, action lower-cased.
+# Ill-formed: invalid (penalised) but still acts: its first <action>…</action>, else its last 30 characters.
 FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$", re.DOTALL | re.IGNORECASE)
 TAG_RES = {tag: re.compile(pattern, re.IGNORECASE) for tag, pattern in [
     ("<think>", r"<\s*think\s*>"), ("</think>", r"</\s*think\s*>"),
@@ -206,10 +188,9 @@ CJK_RE = re.compile(r"[\u4e00-\u9fff]")  # the official check: Chinese text is i
 
 
 def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str, bool]:
-    """(action, valid). Linear in len(text): the strict regex only runs once every tag occurs exactly once
-    (then each lazy group has one place to stop), and the fallback finds the first opening tag and the
-    first closing tag after it, which is the leftmost match of `<action>(.*?)</action>`.
-    admissible (ALFWorld's projection): a well-formed action outside the list is invalid too."""
+    """(action, valid). Linear in len(text): the strict regex runs only once each tag occurs exactly once
+    (each lazy group then has one place to stop); the fallback takes the first `<action>` and the first
+    `</action>` after it (the leftmost lazy match). admissible (ALFWorld): an action outside it is invalid."""
     counts_ok = all(len(pattern.findall(text)) == 1 for pattern in TAG_RES.values())
     match = FORMAT_RE.match(text) if counts_ok and not CJK_RE.search(text) else None
     if match is not None:
@@ -223,7 +204,6 @@ def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str,
 
 
 # Uncertainty signal (paper Sec. 3.1)
-
 def token_confidence(top_logprobs: list[float], j: int) -> float:
     """C_t = −(1/j) Σ_{i≤j} log p_t^(i) over the top-j probabilities (DeepConf; higher = more peaked)."""
     top = sorted(top_logprobs, reverse=True)[:j]
@@ -250,16 +230,13 @@ def uncertainty(entropies: list[float], confidences: list[float], alpha: float, 
 
 
 # TTI: token-level thinking intervention
-
 FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<action>`
 
 
 def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: int, epsilon: float,
                    start: int = 0) -> int | None:
-    """First 0-based thinking token t (t ≥ start) after which TTI forces the action, or None.
-
-    Decided from M_0..M_t only (causal). Fires when t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}|
-    over the last N+1 tokens (s = t−N..t) is < ε, or when t+1 reaches the cap L_max."""
+    """First thinking token t ≥ start (0-based) after which TTI forces the action, or None. Causal (M_0..M_t):
+    fires when t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}| over s = t−N..t is < ε, or at t+1 = L_max."""
     for t in range(start, len(m)):
         if t + 1 >= max_think:
             return t
@@ -272,13 +249,10 @@ def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: in
 
 def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[int], args: Args, *,
                   temperature: float, top_p: float = 1.0, top_k: int = 0, tti: bool) -> list[dict]:
-    """One response per prompt. With TTI: generate the thinking in chunks, scan each chunk with the causal
-    rule, cut at the firing token, append `</think>\\n<action>`, then let the model write the action.
-    Sampling noise is keyed on (seed, position), so this equals an online logits processor token for token;
-    at most `tti_chunk` tokens per generation are thrown away.
-
-    Returns per prompt: ids, sampled (1 = policy token, 0 = forced), entropies, confidences (of sampled
-    tokens), think_tokens, intervened, wasted."""
+    """One response per prompt. With TTI: the thinking in chunks, each scanned with the causal rule, cut at
+    the firing token, FORCED_TEXT appended, then the action. Noise keyed on (seed, position) makes this equal
+    an online logits processor token for token (≤ tti_chunk tokens wasted). Per prompt: ids, sampled (1 =
+    policy, 0 = forced), entropies, confidences (of sampled tokens), think_tokens, intervened, wasted."""
     budget = args.max_new_tokens
     max_think = args.tti_max_think or budget - min(32, budget // 2)  # leave room to write the action
     gen_kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs_k=args.top_j)
@@ -292,14 +266,12 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
         out["entropies"] += sample.entropies[:n]
         out["confidences"] += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
 
-    # Phase 1, thinking (TTI only): chunks until TTI fires, eos, or the budget runs out. A chunk runs on
-    # past a natural </think> (TTI no longer applies) to </action>: one call per turn when the chunk
-    # covers the response, since on a CPU the prompt's prefill, paid again per call, dominates.
+    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past a natural
+    # </think> to </action>: one call per turn when it covers the response (a CPU pays each call's prefill).
     thinking = list(range(len(prompts))) if tti else []
     while thinking:
-        samples = generator.generate([prompts[i] + outs[i]["ids"] for i in thinking],
-                                     max_new_tokens=min(args.tti_chunk, budget - min(len(outs[i]["ids"])
-                                                                                     for i in thinking)),
+        chunk = min(args.tti_chunk, budget - min(len(outs[i]["ids"]) for i in thinking))
+        samples = generator.generate([prompts[i] + outs[i]["ids"] for i in thinking], max_new_tokens=chunk,
                                      stop=["</action>"], seeds=[seeds[i] for i in thinking], **gen_kwargs)
         still = []
         for i, [sample] in zip(thinking, samples, strict=True):
@@ -318,8 +290,7 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
                 keep = fire + 1 - done_before
                 extend(out, sample, keep)
                 out["wasted"] += n_new - keep
-                out["ids"] += forced
-                out["sampled"] += [0] * len(forced)
+                out["ids"], out["sampled"] = out["ids"] + forced, out["sampled"] + [0] * len(forced)
                 out["think_tokens"], out["intervened"] = fire + 1, True
                 continue
             extend(out, sample, n_new)
@@ -351,20 +322,17 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
 
 
 # TDS: turn-level dynamical sampling (training rollouts only)
-
 def turn_signal(m: list[float]) -> float:
-    """Φ_k = geometric mean of M_t over the turn's tokens, leaving out the exact zeros. Min–max puts a 0
-    wherever the least-entropy token is also the most confident one: that token is the scale's anchor,
-    not a certain token, and one 0 zeroes a geometric mean (a floor instead, e.g. 1e-6, makes Φ a
-    function of the turn's length: floor^(1/T)). No nonzero M: 0 (no signal; TDS skips a change of 0)."""
+    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros (one would zero it): min–max
+    puts a 0 where the least-entropy token is also the most confident (the scale's anchor, not a certain
+    token); a floor instead makes Φ depend on the length (floor^(1/T)). No nonzero M: 0 (no signal)."""
     logs = [math.log(x) for x in m if x > 0]
     return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
 
 def tds_phis(prev: dict, cur: dict, alpha: float) -> tuple[float, float]:
-    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max runs over the policy tokens of both turns, so Γ_k
-    compares the two turns' uncertainty. Normalised per turn, each Φ would only describe the shape of its
-    own turn (every turn's M spans [0, 1]) and Γ would say nothing about the turns' levels."""
+    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max runs over the policy tokens of both turns, so Γ_k compares
+    their levels (normalised per turn, every turn's M would span [0, 1] and Γ would only compare shapes)."""
     m = uncertainty(prev["entropies"] + cur["entropies"], prev["confidences"] + cur["confidences"], alpha,
                     causal=False)
     split = len(prev["entropies"])
@@ -372,8 +340,7 @@ def tds_phis(prev: dict, cur: dict, alpha: float) -> tuple[float, float]:
 
 
 def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
-    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0). Like the official code, a change of exactly 0 is
-    skipped (it means no signal, e.g. both turns empty)."""
+    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0 (no signal)."""
     return phi_prev is not None and 0 < abs(phi - phi_prev) < eta
 
 
@@ -386,7 +353,6 @@ def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
 
 
 # GiGPO advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
-
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     """G_t = Σ_{j≥t} γ^{j−t} r_j."""
     out, running = [0.0] * len(rewards), 0.0
@@ -421,9 +387,8 @@ def group_normalise(values: list[float], keys: list, std_normalize: bool, single
 
 
 def anchor_keys(episodes: list[dict], similarity: float) -> list[tuple]:
-    """One (group, anchor cluster) per turn. similarity 1: turns with identical raw observations share a
-    cluster; below 1 (verl-agent's enable_similarity): a turn joins the first cluster of its group whose
-    first observation has difflib ratio ≥ similarity with it, else starts a new one."""
+    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or (enable_similarity)
+    the group's first cluster whose first observation has difflib ratio ≥ similarity, else a new one."""
     representatives: dict = defaultdict(list)  # group -> first observation of each cluster
     keys = []
     for ep in episodes:
@@ -443,16 +408,13 @@ def anchor_keys(episodes: list[dict], similarity: float) -> list[tuple]:
 
 def gigpo_advantages(episodes: list[dict], gamma: float, omega: float, std_normalize: bool,
                      similarity: float = 1.0) -> list[list[float]]:
-    """A = A_E + ω·A_S per turn (turn: reward r_t from the env, penalty p_t of an invalid turn).
-    As verl-agent, the penalty is subtracted from that turn's own scores after discounting, so it does not
-    reach the other turns of its trajectory:
-    A_E(i,t) = (R_i − p_t) − mean over i's group of each trajectory's mean score (R_j − mean_t p_t),
-      R_i = Σ_t r_t  (episode level: baseline over trajectories, as the paper);
-    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group, G_t = Σ_{j≥t} γ^{j−t} r_j, the anchor
-      group holding every turn of the task group whose raw observation is this turn's (or similar).
-    std_normalize (verl-agent's mean_std_norm): each part is divided by (std + 1e-6), the unbiased std of
-    the values it normalises: at the episode level the scores R_j − p_t of every turn of the group (a
-    group of one trajectory keeps std 1), at the step level the anchor group's G_t − p_t."""
+    """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted from that
+    turn's own scores after discounting, as verl-agent, so it does not reach the trajectory's other turns):
+    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (as the paper);
+    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose raw
+      observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
+    std_normalize (mean_std_norm): each part / (std + 1e-6), the unbiased std of the values it normalises
+    (episode level: the group's turn scores R_j − p_t; a group of one trajectory keeps std 1)."""
     returns = [sum(t["reward"] for t in ep["turns"]) for ep in episodes]
     groups = [ep["group"] for ep in episodes]
     trajectory_scores = [r - sum(t["penalty"] for t in ep["turns"]) / max(1, len(ep["turns"]))
@@ -475,7 +437,6 @@ def gigpo_advantages(episodes: list[dict], gamma: float, omega: float, std_norma
 
 
 # Rollout: every episode of a batch advances one turn at a time; each turn is generated as one batch.
-
 def turn_seed(*key: int) -> int:
     return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
 
@@ -483,11 +444,9 @@ def turn_seed(*key: int) -> int:
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *, step: int,
             train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
             keys: list[int] | None = None) -> tuple[list[dict], dict]:
-    """Play len(tasks) episodes. Returns episodes (each: group, won, score, turns) and rollout stats.
-    keys: a global id per episode (default 0..n−1) that keys its sampling seeds, so an episode draws the
-    same tokens whichever rank plays it (and a resume on any number of ranks repeats it).
-    A turn holds the training sample (prompt ids → response ids, mask of policy tokens), the anchor
-    observation, its reward r_t and the signals (think tokens, TTI, TDS)."""
+    """(episodes: group, won, score, turns; stats). A turn: the sample (prompt ids → response ids, mask of
+    policy tokens), anchor observation, r_t, p_t. keys: a global id per episode (default 0..n−1) keying its
+    seeds, so an episode draws the same tokens on whichever rank plays it (or resumes it)."""
     n, keys = len(tasks), keys or list(range(len(tasks)))
     stats = defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
@@ -518,8 +477,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                 new = generate_turn(generator, tokenizer, [prompts[j] for j in redo], redo_seeds, args,
                                     temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
                 for j, o in zip(redo, new, strict=True):
-                    outs[j] = o
-                    resamples[j] += 1
+                    outs[j], resamples[j] = o, resamples[j] + 1
         texts = [tokenizer.decode(o["ids"], skip_special_tokens=True) for o in outs]
         parsed = [parse_response(t, (infos[i].get("admissible_actions") or None) if args.inadmissible_invalid
                                  else None) for t, i in zip(texts, active, strict=True)]
@@ -535,13 +493,10 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                 prompt_ids=prompts[j], response_ids=outs[j]["ids"], mask=outs[j]["sampled"],
                 anchor=obs[i], reward=reward, penalty=0.0 if valid else args.format_penalty, valid=valid,
                 action=action, observation=next_obs))
-            stats["turns"] += 1
-            stats["tokens"] += len(outs[j]["ids"])
-            stats["think_tokens"] += outs[j]["think_tokens"]
-            stats["tti_interventions"] += outs[j]["intervened"]
-            stats["tti_wasted_tokens"] += outs[j]["wasted"]
-            stats["tds_resamples"] += resamples[j]
-            stats["invalid"] += not valid
+            for key, x in dict(turns=1, tokens=len(outs[j]["ids"]), think_tokens=outs[j]["think_tokens"],
+                               tti_interventions=outs[j]["intervened"], tti_wasted_tokens=outs[j]["wasted"],
+                               tds_resamples=resamples[j], invalid=not valid).items():
+                stats[key] += x
             history[i].append((obs[i], action))
             obs[i], infos[i], prev_out[i] = next_obs, info, outs[j]
             if env_done or info.get("error"):
@@ -552,8 +507,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
 
 def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool = False) -> dict:
     """Rollout metrics; gather=True (training, under torchrun): over every rank's episodes."""
-    rows = [(ep["won"], ep["score"], sum(t["reward"] - t["penalty"] for t in ep["turns"]))
-            for ep in episodes]
+    rows = [(ep["won"], ep["score"], sum(t["reward"] - t["penalty"] for t in ep["turns"])) for ep in episodes]
     if gather:  # every rank's rows; their counters summed in rank order
         parts = dist.all_gather_object((rows, dict(stats)))
         rows, stats = [r for part, _ in parts for r in part], defaultdict(float)
@@ -561,19 +515,13 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
             stats[key] += value
     won, score, reward = (np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows else ([0.0],) * 3
     turns = max(1.0, stats["turns"])
-    return {
-        f"{prefix}rollouts": len(rows),
-        f"{prefix}success_rate": float(np.mean(won)),
-        f"{prefix}score": float(np.mean(score)),
-        f"{prefix}reward_mean": float(np.mean(reward)),
-        f"{prefix}turns_per_episode": stats["turns"] / max(1, len(rows)),
-        f"{prefix}tokens_per_turn": stats["tokens"] / turns,
-        f"{prefix}think_tokens_per_turn": stats["think_tokens"] / turns,
-        f"{prefix}tti_interventions": stats["tti_interventions"] / turns,
-        f"{prefix}tti_wasted_tokens": stats["tti_wasted_tokens"],
-        f"{prefix}tds_resamples": stats["tds_resamples"],
-        f"{prefix}format_error_rate": stats["invalid"] / turns,
-    }
+    out = {"rollouts": len(rows), "success_rate": float(np.mean(won)), "score": float(np.mean(score)),
+           "reward_mean": float(np.mean(reward)), "turns_per_episode": stats["turns"] / max(1, len(rows)),
+           "tokens_per_turn": stats["tokens"] / turns, "think_tokens_per_turn": stats["think_tokens"] / turns,
+           "tti_interventions": stats["tti_interventions"] / turns,
+           "tti_wasted_tokens": stats["tti_wasted_tokens"], "tds_resamples": stats["tds_resamples"],
+           "format_error_rate": stats["invalid"] / turns}
+    return {prefix + k: v for k, v in out.items()}
 
 
 def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int, stage: str = ""
@@ -596,7 +544,6 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
 
 
 # Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
-
 def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
     """Replay the environment's scripted expert (`env.expert_action()`, with `env.expert_thought()` as its
     reason), written as `<think>…</think><action>…</action>` turns with the same prompts the policy sees."""
@@ -627,8 +574,7 @@ def rft_keep(episodes: list[dict]) -> list[dict]:
 
 
 def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list, args: Args) -> tuple:
-    """Rejection sampling from the policy itself: each rank plays its share of --cold-start-episodes; every
-    rank keeps every rank's successful turns."""
+    """Rejection sampling from the policy: ranks split --cold-start-episodes; each keeps all ranks' wins."""
     episodes, turns, per_rank = [], [], args.group_size  # episodes per rank per round
     pool = EnvPool(args.env, per_rank, **options)
     for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
@@ -639,8 +585,7 @@ def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list, ar
                          temperature=args.temperature, keys=ids)
         for part_eps, part_turns in dist.all_gather_object(([e["won"] for e in eps], rft_keep(eps))):
             episodes += [dict(won=won) for won in part_eps]
-            turns += [dict(prompt_ids=t["prompt_ids"], response_ids=t["response_ids"], mask=t["mask"])
-                      for t in part_turns]
+            turns += [{k: t[k] for k in ("prompt_ids", "response_ids", "mask")} for t in part_turns]
     return episodes, turns
 
 
@@ -681,13 +626,11 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
 
 
 # Loss and update: PPO clip, token-mean over the minibatch, optional low-var KL.
-
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   clip_eps: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (summed: the caller divides by the
-    minibatch's token count = token-mean); also the number of clipped tokens. dual_clip > 1: dual-clip
-    (Ye et al. 2020, verl's actor): where A < 0 the token's loss is also capped at −c·A, so a ratio far
-    above 1 on a bad token cannot blow the loss up."""
+    """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by the minibatch's
+    token count: token-mean), and the number of clipped tokens. dual_clip c > 1 (Ye et al. 2020, verl's
+    actor): where A < 0 a token's loss is also capped at −c·A, so a huge ratio on a bad token is bounded."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     token_loss = -torch.minimum(unclipped, clipped)
@@ -699,8 +642,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ, clamped to
-    [−10, 10] as verl's `low_var_kl` (the ALFWorld script's kl_loss_type), so one token whose policy has
-    moved far from the reference cannot dominate the loss."""
+    [−10, 10] as verl's `low_var_kl` (the ALFWorld script's) so that one far-moved token cannot dominate."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
@@ -721,10 +663,9 @@ def turn_key(sample: dict) -> tuple:
 
 
 def microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
-    """(samples, weight) micro-batches of at most `size` distinct turns, with every copy of each (a group's
-    rollouts often play the same turn; turn_logprobs runs it once), shortest first so that they pad little;
-    as many on every rank (dist.same_count). A rank with no samples runs a placeholder whose one target
-    token keeps the backward connected to the weights (its weight is 0)."""
+    """(samples, weight) micro-batches of at most `size` distinct turns with every copy of each (turn_logprobs
+    runs a repeated turn once), shortest first to pad little, as many on every rank (dist.same_count). A rank
+    with no samples runs a placeholder of weight 0 whose one target token keeps the backward connected."""
     filler = samples[:1] or [dict(prompt_ids=[0], response_ids=[0], mask=[1], advantage=0.0)]
     copies = defaultdict(list)
     for s in samples:
@@ -735,9 +676,8 @@ def microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float
 
 
 def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T-1) log-probs of each turn's response tokens under `model` (prompt positions are 0: the
-    vocabulary projection runs on response tokens only), and the (B, T-1) loss mask of policy tokens.
-    A turn that occurs several times in the batch runs through the model once (its gradient is the sum)."""
+    """(B, T-1) log-probs of each turn's response tokens under `model` (0 at prompt positions: the vocabulary
+    projection runs on response tokens only) and loss mask; a repeated turn runs once (gradient: the sum)."""
     keys = [turn_key(s) for s in batch]
     distinct = list(dict.fromkeys(keys))
     copy = [distinct.index(k) for k in keys]  # row b of the batch is distinct turn copy[b]
@@ -749,8 +689,7 @@ def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.T
 
 
 def sft_log_likelihood(policy, turns: list[dict]) -> tuple[torch.Tensor, float]:
-    """RFT's SFT term: Σ log π over the turns' policy tokens (a sampled turn's forced tokens are masked, as
-    in RL), and their number."""
+    """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked, as in RL); their count."""
     logp, mask = turn_logprobs(policy, turns, 1.0)  # (B, T-1)
     return (logp * mask).sum(), float(mask.sum())
 
@@ -779,17 +718,13 @@ def stacked(batch: list[dict], key: str, width: int) -> torch.Tensor:
 
 def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Generator,
            reference=None) -> dict:
-    """One epoch over the turn samples, one optimizer step per minibatch, PPO-clip with a token-mean.
-
-    Under torchrun `samples` are this rank's (whole groups): the number of minibatches comes from the global
-    sample count and each token-mean divides by the minibatch's global token count, so one optimizer step
-    is the same on 1 or 8 ranks (exactly so with one minibatch)."""
+    """One epoch over the turn samples, one optimizer step per minibatch, PPO-clip with a token-mean. Under
+    torchrun `samples` are this rank's (whole groups): the minibatch count and each token-mean's divisor are
+    global, so one optimizer step is the same on 1 or 8 ranks (exactly so with one minibatch)."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
-    order = rng.permutation(len(samples))
-    parts = np.array_split(order, n_minibatches)  # exactly n_minibatches on every rank
-    # π_old: the policy that sampled the turns, recomputed by the training model. The first minibatch
-    # trains on π_old itself (no dropout in these models): its own forward, detached, is the same number.
-    # The later minibatches' π_old is computed now, before the first optimizer step moves the policy.
+    parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # n_minibatches on every rank
+    # π_old: the policy that sampled the turns. The first minibatch trains on π_old itself (no dropout): its
+    # own forward, detached, is the same number; the later ones' is computed now, before the first step.
     if n_minibatches > 1:
         policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
     if args.kl_coef > 0:
@@ -803,9 +738,8 @@ def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Ge
         optimizer.zero_grad()
         for batch, weight in microbatches(minibatch, args.micro_batch_size):
             logp, mask = turn_logprobs(policy, batch, args.temperature)
-            mask = mask * weight  # weight 0: a placeholder micro-batch, zero gradient
+            mask = mask * weight  # weight 0: a placeholder (no stored log-probs), zero loss and gradient
             width = logp.shape[1]
-            # a weight-0 placeholder (a rank short of micro-batches) has no stored log-probs: loss 0 anyway
             old = stacked(batch, "old_logp", width) if index > 0 and weight else logp.detach()
             adv = torch.tensor([s["advantage"] for s in batch], device=logp.device)[:, None]  # (B, 1)
             loss, n_clipped = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, args.dual_clip)
@@ -845,8 +779,7 @@ def build_envs(args: Args) -> tuple:
 
 
 def turn_prompts(env, tasks: list, args: Args) -> list[str]:
-    """The scripted expert's turn prompts on `tasks`; without an expert, the first turns with the history
-    filled with their observation (--dry-run plans for the longest)."""
+    """For --dry-run's longest: the expert's turn prompts on `tasks`, else first turns with a full history."""
     if hasattr(env, "expert_action"):
         return [t["prompt"] for ep in expert_episodes(env, tasks, args) for t in ep["turns"]]
     return [build_turn_prompt(info.get("instruction", ""), [(obs, "")] * args.history_length, obs,
