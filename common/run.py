@@ -258,9 +258,10 @@ def bf16_training(args) -> bool:
 def precision(args) -> torch.autocast:
     """The training passes' precision (--autocast): bf16 matmuls under torch.autocast, or fp32. On this
     project's 2-core CPU (AVX512-BF16) bf16 trains 1.9x faster; log-probs move by ~0.04 nats
-    (benchmarks/bench_precision.py)."""
+    (benchmarks/bench_precision.py). No cast cache: the context spans optimizer steps, and a cached bf16
+    copy of a weight would keep the weight as it was before them."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16_training(args))
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16_training(args), cache_enabled=False)
 
 
 # the held-out results a checkpoint keeps, by stage; the names checkpoints written before 2026-12 used

@@ -219,3 +219,25 @@ def test_bf16_autocast_moves_log_probs_a_little_and_keeps_fp32_weights_and_gradi
     assert 0 < diff.mean() < 0.1  # bf16 matmuls ran (8 mantissa bits), and stayed close
     err = torch.stack([(p.grad - g).norm() for p, g in zip(model.parameters(), grads, strict=True)]).norm()
     assert err / torch.stack([g.norm() for g in grads]).norm() < 0.1
+
+
+def test_bf16_forward_after_an_optimizer_step_sees_the_new_weights():
+    """The update and the cold start run inside one autocast context across optimizer steps: a forward
+    after a step must use the stepped weights (autocast's default cast cache would keep the old bf16 copy)."""
+    from types import SimpleNamespace
+
+    from common import run
+
+    model, tokenizer = load_policy(TINY_MODEL)
+    ids = torch.randint(5, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(1))  # (1, T)
+    mask = torch.ones_like(ids)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with run.precision(SimpleNamespace(autocast="bf16")):
+        before = token_logprobs(model, ids, mask)
+        before.sum().backward()
+        optimizer.step()
+        after = token_logprobs(model, ids, mask).detach()
+    with run.precision(SimpleNamespace(autocast="bf16")):
+        fresh = token_logprobs(model, ids, mask).detach()
+    assert not torch.allclose(after, before.detach(), atol=1e-3)
+    torch.testing.assert_close(after, fresh, atol=0, rtol=0)
