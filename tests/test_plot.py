@@ -97,4 +97,5 @@ def test_the_rollout_share_of_a_step_has_its_own_panel(tmp_path):
     rows = [{"step": 1, "reward_mean": 0.5, "step_time_s": 60.0, "time_rollout_s": 25.0},
             {"step": 2, "reward_mean": 0.7, "step_time_s": 50.0, "time_rollout_s": 20.0}]
     titles = plot.plot_runs([_run(tmp_path, "timed", rows)], str(tmp_path / "timed.png"))
-    assert titles == ["training reward (reward_mean)", "seconds per step", "of which rollout (time_rollout_s)"]
+    assert titles == ["training reward (reward_mean)", "seconds per step",
+                      "of which rollout (time_rollout_s)"]
