@@ -18,6 +18,7 @@ import torch
 from common.cli import parse_args
 from common.logprobs import token_logprobs
 from common.models import DEFAULT_MODEL, load_policy
+from common.run import native_bf16
 
 
 @dataclass
@@ -28,15 +29,6 @@ class Args:
     repeats: int = field(default=3, metadata={"help": "timed repeats of each (after one warm-up)"})
     threads: int = field(default=0, metadata={"help": "torch threads; 0 = torch default"})
     seed: int = 0
-
-
-def native_bf16() -> list[str]:
-    """The CPU's bf16 instruction sets (x86 /proc/cpuinfo flags)."""
-    try:
-        flags = open("/proc/cpuinfo").read().split()
-    except OSError:
-        return []
-    return sorted({f for f in flags if f in ("avx512_bf16", "amx_bf16")})
 
 
 def step(model, ids, mask, bf16: bool) -> tuple[float, torch.Tensor, list[torch.Tensor]]:

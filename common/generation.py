@@ -225,8 +225,8 @@ class HFGenerator:
                temperature: float, top_p: float, top_k: int, stop: list[str],
                logprobs_k: int) -> list[Sample]:
         device = next(self.model.parameters()).device
-        # Identical rows (a group's G samples of one prompt, a turn resampled) share one prefill: the
-        # prompt's pass is most of a CPU rollout's time. Row b reads unique row `copy[b]`.
+        # Identical rows (a group's G samples of one prompt, in one call) share one prefill: the prompt's
+        # pass is most of a CPU rollout's time. Row b reads unique row `copy[b]`.
         unique = list(dict.fromkeys(map(tuple, rows)))
         copy = torch.tensor([unique.index(tuple(r)) for r in rows], device=device)  # (B,)
         U, P = len(unique), max(len(r) for r in rows)

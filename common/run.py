@@ -239,19 +239,19 @@ def setup(args, desc: str) -> Run:
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX); elsewhere torch emulates it,
+def native_bf16() -> tuple[str, ...]:
+    """This CPU's native bf16 instruction sets (x86 AVX512-BF16, AMX), empty where torch emulates bf16,
     slower than fp32."""
     try:
         flags = open("/proc/cpuinfo").read().split()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ()
+    return tuple(sorted({f for f in flags if f in ("avx512_bf16", "amx_bf16")}))
 
 
 def bf16_training(args) -> bool:
     """--autocast resolved: bf16, or auto on a GPU or on a CPU with native bf16."""
-    auto = args.autocast == "auto" and (torch.cuda.is_available() or native_bf16())
+    auto = args.autocast == "auto" and (torch.cuda.is_available() or bool(native_bf16()))
     return args.autocast == "bf16" or auto
 
 

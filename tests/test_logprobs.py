@@ -190,7 +190,7 @@ def test_autocast_auto_trains_in_bf16_only_where_the_hardware_has_it(monkeypatch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for native, expected in ((False, False), (True, True)):
-        monkeypatch.setattr(run, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(run, "native_bf16", lambda native=native: ("avx512_bf16",) if native else ())
         assert run.bf16_training(SimpleNamespace(autocast="auto")) is expected
         assert run.bf16_training(SimpleNamespace(autocast="bf16")) is True  # asked for: even emulated
         assert run.bf16_training(SimpleNamespace(autocast="off")) is False
