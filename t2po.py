@@ -63,6 +63,9 @@ class Args(RunArgs):
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
     eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95", gt=0, le=1)
     eval_top_k: int = opt("run", 0, "paper's val sampling: 20", ge=0)
+    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones after the "
+                           "cold start and every RL step: a curve of learning, not of the step's task draw "
+                           "(ours)", ge=0)
     # uncertainty signal M_t (paper Sec. 3.1); alpha and j are not published: ours
     alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)", ge=0, le=1)
     top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)", ge=1)
@@ -132,7 +135,8 @@ PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "ve
 PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
                                         '"holdout": "walkthrough"}',
                             tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
-                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto")
+                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto",
+                            probe_tasks=8)
 
 
 def check_args(args: Args) -> None:
@@ -524,21 +528,22 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
     return {prefix + k: v for k, v in out.items()}
 
 
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int, stage: str = ""
-             ) -> dict:
-    """Held-out episodes, one per task; TTI on (it is part of inference), TDS off (training only)."""
+def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int, stage: str = "",
+             prefix: str = "eval/") -> dict:
+    """Held-out (or probe/) episodes, one per task; TTI on (it is part of inference), TDS off (training)."""
     episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args, step=step,
                               train=False, temperature=args.eval_temperature, top_p=args.eval_top_p,
                               top_k=args.eval_top_k)
-    m = summarise(episodes, stats, prefix="eval/")
+    m = summarise(episodes, stats, prefix=prefix)
     if stage:  # the episodes as text (prompt, response, action, observation, reward per turn)
         run.write_transcripts(args, stage, [dict(task=ep["task"], won=ep["won"], score=ep["score"],
                                                  reward=sum(t["reward"] for t in ep["turns"]), turns=[
             dict(prompt=tokenizer.decode(t["prompt_ids"]), response=tokenizer.decode(t["response_ids"]),
                  **{k: t[k] for k in ("action", "observation", "reward", "valid")}) for t in ep["turns"]])
             for ep in episodes])
-        print(f"[{stage}] held-out success {m['eval/success_rate']:.3f}  score {m['eval/score']:.3f}  "
-              f"tokens/turn {m['eval/tokens_per_turn']:.1f}  invalid {m['eval/format_error_rate']:.2f}",
+        print(f"[{stage}] {'held-out' if prefix == 'eval/' else prefix[:-1]} success "
+              f"{m[prefix + 'success_rate']:.3f}  score {m[prefix + 'score']:.3f}  tokens/turn "
+              f"{m[prefix + 'tokens_per_turn']:.1f}  invalid {m[prefix + 'format_error_rate']:.2f}",
               flush=True)
     return m
 
@@ -775,7 +780,9 @@ def build_envs(args: Args) -> tuple:
     my_groups = dist.shard(list(range(args.tasks_per_step)))
     pool = EnvPool(args.env, len(my_groups) * args.group_size, **options)
     eval_pool = EnvPool(args.env, len(eval_tasks), **options) if dist.is_main() else None
-    return env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool
+    probe_pool = EnvPool(args.env, args.probe_tasks, **options) if args.probe_tasks and dist.is_main() \
+        else None
+    return env, options, train_tasks, eval_tasks, my_groups, pool, (eval_pool, probe_pool)
 
 
 def turn_prompts(env, tasks: list, args: Args) -> list[str]:
@@ -793,18 +800,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = run.parse(Args, argv, PRESETS, check_args, overridden_by={"epochs": "steps"})
     if args.dry_run:
         return run.dry_run(args, *run.planned_length(args, turn_prompts, args.max_new_tokens))
-    env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool = build_envs(args)
+    env, options, train_tasks, eval_tasks, my_groups, pool, (eval_pool, probe_pool) = build_envs(args)
     r = run.setup(args, desc="t2po" if (args.tti or args.tds) else "gigpo")
     held_out = lambda stage, step: run.on_main(
         lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args, step, stage))
+    probe = lambda step: run.on_main(lambda: evaluate(  # fixed training tasks: a learning curve
+        r.generator, r.tokenizer, probe_pool, train_tasks[:args.probe_tasks], args, step,
+        f"probe step {step}", prefix="probe/")) if args.probe_tasks else {}
     if "base" not in r.extra:  # a resumed run has done these
         r.extra["base"] = held_out("base", 0)
-        r.logger.log({"step": 0, **r.extra["base"]})
+        r.logger.log({"step": 0, **r.extra["base"], **({} if args.cold_start else probe(0))})
     if args.cold_start and "cold_start" not in r.extra:
         log = cold_start(r, env, options, train_tasks, args)
         r.extra["cold_start"] = held_out("cold_start", 0)
-        r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
-                                           for k, v in r.extra["cold_start"].items()}})
+        r.logger.log({"step": 0, **log, **probe(0), **{k.replace("eval/", "eval_cold_start/"): v
+                                                       for k, v in r.extra["cold_start"].items()}})
         run.save(r, args, 0)
     t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
     for step in range(r.start_step, args.steps):
@@ -828,7 +838,7 @@ def main(argv: list[str] | None = None) -> dict:
         r.generator.update_weights(r.model)  # each rank's own generator samples from the new policy
         line = {"step": step + 1, **summarise(episodes, stats, gather=True), **result,
                 "time_s": time.time() - t_rl, "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
-                "time_update_s": time.time() - t0 - t_rollout}  # the rest: advantages, update, weight push
+                "time_update_s": time.time() - t0 - t_rollout, **probe(step + 1)}  # update: and weight push
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             line.update(held_out(f"step {step + 1}", step + 1))
         r.logger.log(line)

@@ -4,6 +4,7 @@
     python benchmarks/compare.py run arpo --seeds 0 1 2 -- --steps 4 --max-minutes 0
     python benchmarks/compare.py run loop --seeds 0 1 2 -- --steps 3
     python benchmarks/compare.py report t2po arpo loop             # table + PNG curves into docs/figures
+    python benchmarks/compare.py run demo --seeds 0 1 2 3 4         # the default run vs its --lr 0 control
 
 `run` plays every (arm, seed) one after another on one thread (OMP_NUM_THREADS=1; on a 2-core machine
 run at most two `run`s at once: torch beside another busy process slows far more than 2x), into
@@ -21,6 +22,11 @@ cut, about half the tool calls for ARPO). "Before RL" is the held-out evaluation
 from (after the cold start; the base model's without one): the same for every arm of a seed. It draws
 <figures>/compare_<algo>.png: the training curves (mean over seeds per step, shaded 95% band) and held-out
 success before and after RL per arm, with the command and the commit in the footer.
+
+`demo` is not a paper's claim but the default run's (`python t2po.py`, what `make demo` plays): does RL add
+to the cold start? Its arms are the run as it is and a no-update control (`--lr 0`: the same rollouts, no
+weight moves); its table adds, per arm, the held-out games won after RL minus before it (paired within each
+run) and the share of seeds where that is > 0, and the same gain on the fixed probe set of training tasks.
 """
 
 import argparse
@@ -44,7 +50,9 @@ ARMS = {
     "arpo": {"arpo": [], "grpo": ["--rollout", "global"]},
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
+    "demo": {"rl": [], "lr0": ["--lr", "0"]},
 }
+SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
 
 def run_folder(root: str, algo: str, arm: str, seed: int) -> str:
@@ -64,7 +72,7 @@ def run(algo: str, seeds: list[int], extra: list[str], root: str, arms: list[str
             if os.path.exists(os.path.join(out, "done")):
                 continue
             shutil.rmtree(out, ignore_errors=True)
-            cmd = [sys.executable, os.path.join(ROOT, f"{algo}.py"), "--seed", str(seed),
+            cmd = [sys.executable, os.path.join(ROOT, f"{SCRIPT.get(algo, algo)}.py"), "--seed", str(seed),
                    "--out", out, *flags, *extra]
             print(" ".join(cmd), flush=True)
             log = os.path.join(os.path.dirname(out), f"{arm}-s{seed}.log")
@@ -119,6 +127,25 @@ def before_rl(name: str):
     return get
 
 
+def held_out_gain(rows) -> float | None:
+    """Held-out games won after RL minus before it (after the cold start), in one run."""
+    before, after = before_rl("success_rate")(rows), last("eval/success_rate")(rows)
+    n = last("eval/rollouts")(rows)
+    return None if None in (before, after, n) else round((after - before) * n)
+
+
+def rl_gained(rows) -> float | None:
+    """1 when RL won more held-out games than the cold start, else 0."""
+    gain = held_out_gain(rows)
+    return None if gain is None else float(gain > 0)
+
+
+def probe_gain(rows) -> float | None:
+    """Success on the fixed probe set of training tasks (t2po.py --probe-tasks): last step minus step 0."""
+    probe = [r["probe/success_rate"] for r in rows if "probe/success_rate" in r]
+    return probe[-1] - probe[0] if len(probe) > 1 else None
+
+
 def train_mean(key: str):
     """Mean of a training metric over the RL steps (eval rows have only eval/ keys)."""
     def get(rows):
@@ -152,8 +179,13 @@ METRICS = {
         ("training reward, mean over steps", train_mean("reward_mean"), 1),
         ("training reward, last step", train_last("reward_mean"), 1)],
 }
+METRICS["demo"] = HELD_OUT[:2] + [
+    ("held-out games won, after − before RL", held_out_gain, 1),
+    ("share of seeds where RL won more held-out games", rl_gained, 1),
+    ("probe success (training tasks), after − before RL", probe_gain, 1),
+    ("training success, mean over steps", train_mean("success_rate"), 1)]
 # algorithm -> the training metrics drawn as curves
-CURVES = {"t2po": ["success_rate", "tokens_per_turn"],
+CURVES = {"demo": ["probe/success_rate", "success_rate"], "t2po": ["success_rate", "tokens_per_turn"],
           "arpo": ["reward_mean", "tool_calls/executed_per_question"],
           "loop": ["reward_mean", "success_rate"]}
 

@@ -1,7 +1,8 @@
 """Learning curves of one or several run folders in one PNG: `python -m common.plot RUN [RUN ...] [-o FILE]`.
 
 Reads each run's metrics.jsonl (training rows: `reward_mean`, `success_rate`, ...; evaluation rows:
-`eval/success_rate`; the cold start's `eval_cold_start/success_rate` at step 0) and draws one panel per
+`eval/success_rate`; the cold start's `eval_cold_start/success_rate` at step 0; a fixed probe set of training
+tasks' `probe/success_rate`, drawn dashed beside the held-out points) and draws one panel per
 quantity, one line per run, labelled by the run folder's name. A panel no run has the keys for is left out.
 """
 
@@ -90,6 +91,12 @@ def eval_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     return out
 
 
+def probe_series(rows: list[dict]) -> tuple[list, list]:
+    """(steps, success) on the fixed probe set of training tasks (t2po.py --probe-tasks)."""
+    points = [(r["step"], r["probe/success_rate"]) for r in rows if "probe/success_rate" in r]
+    return [s for s, _ in points], [v for _, v in points]
+
+
 def run_labels(runs: list[str]) -> list[str]:
     """Each run folder's name; the whole path where two names clash."""
     names = [os.path.basename(os.path.normpath(r)) for r in runs]
@@ -107,7 +114,7 @@ def plot_runs(runs: list[str], out: str) -> list[str]:
     labels = run_labels(runs)
     panels = [(title, value) for title, value in TRAIN_PANELS
               if any(train_series(rows, value)[0] for rows in data)]
-    has_eval = any(eval_series(rows) for rows in data)
+    has_eval = any(eval_series(rows) or probe_series(rows)[0] for rows in data)
     titles = [t for t, _ in panels[:2]] + (["held-out success (greedy)"] if has_eval else []) \
         + [t for t, _ in panels[2:]]
     if not titles:
@@ -125,7 +132,9 @@ def plot_runs(runs: list[str], out: str) -> list[str]:
                 if steps:
                     ax.plot(steps, values, marker=".", color=color, label=label)
                 continue
-            ev = eval_series(rows)
+            ev, probe = eval_series(rows), probe_series(rows)
+            if probe[0]:
+                ax.plot(*probe, ls="--", marker=".", color=color, label=f"{label}: probe (training tasks)")
             if "RL" in ev:
                 ax.plot(*ev["RL"], marker="o", color=color, label=label)
             if "base" in ev:
@@ -139,7 +148,8 @@ def plot_runs(runs: list[str], out: str) -> list[str]:
         ax.grid(alpha=0.3)
         if title.startswith("held-out"):
             ax.set_ylim(-0.05, 1.05)
-            ax.text(0.02, 0.97, "□ base  △ cold start", transform=ax.transAxes, va="top", fontsize=8)
+            ax.text(0.02, 0.97, "□ base  △ cold start  -- probe", transform=ax.transAxes, va="top",
+                    fontsize=8)
     for ax in list(axes.flat)[len(titles):]:
         ax.axis("off")
     seen = {}  # one legend for the figure: each label once

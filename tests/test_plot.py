@@ -99,3 +99,19 @@ def test_the_rollout_share_of_a_step_has_its_own_panel(tmp_path):
     titles = plot.plot_runs([_run(tmp_path, "timed", rows)], str(tmp_path / "timed.png"))
     assert titles == ["training reward (reward_mean)", "seconds per step",
                       "of which rollout (time_rollout_s)"]
+
+
+def test_the_probe_curve_is_drawn_dashed_in_the_held_out_panel(tmp_path):
+    rows = [{"step": 0, "eval_cold_start/success_rate": 0.25, "probe/success_rate": 0.5},
+            {"step": 1, "reward_mean": 0.5, "probe/success_rate": 0.625},
+            {"step": 2, "reward_mean": 0.7, "probe/success_rate": 0.75},
+            {"step": 2, "eval/success_rate": 0.5}]
+    assert plot.probe_series(rows) == ([0, 1, 2], [0.5, 0.625, 0.75])
+    assert plot.probe_series(T2PO_ROWS) == ([], [])
+    out = str(tmp_path / "probe.png")
+    plot.plot_runs([_run(tmp_path, "probed", rows)], out)
+    without = str(tmp_path / "bare.png")
+    bare = [{k: v for k, v in r.items() if k != "probe/success_rate"} for r in rows]
+    plot.plot_runs([_run(tmp_path, "bare", [r for r in bare if len(r) > 1])], without)
+    # the probe's line: more of the run's colour than the held-out points alone
+    assert _colour_pixels(out, "#1f77b4") > _colour_pixels(without, "#1f77b4") + 100

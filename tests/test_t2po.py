@@ -595,6 +595,24 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
     assert "eval/success_rate" in summary["rl"]
 
 
+def test_probe_tasks_are_the_first_training_tasks_played_after_the_cold_start_and_every_step(tmp_path):
+    """--probe-tasks N: the first N training tasks, played greedily like the held-out ones, at step 0 (before
+    RL) and after every RL step, logged as probe/ and written as transcripts; the held-out keys stay apart."""
+    import json
+
+    out = str(tmp_path / "run")
+    t2po.main(["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--group-size", "2",
+               "--tasks-per-step", "1", "--max-turns", "1", "--max-new-tokens", "4", "--tti-chunk", "4",
+               "--eval-tasks", "1", "--probe-tasks", "2", "--threads", "1", "--steps", "2", "--out", out])
+    lines = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    probed = [(line["step"], line["probe/rollouts"]) for line in lines if "probe/success_rate" in line]
+    assert probed == [(0, 2), (1, 2), (2, 2)]
+    assert [line["eval/rollouts"] for line in lines if "eval/rollouts" in line] == [1, 1]  # its own keys
+    for step in range(3):
+        episodes = [json.loads(line) for line in open(f"{out}/transcripts/probe_step_{step}.jsonl")]
+        assert [ep["task"] for ep in episodes] == [0, 1]  # the toy env's first two training tasks
+
+
 @pytest.mark.slow
 def test_torchrun_eight_ranks_end_to_end_then_resume_across_world_sizes(tmp_path):
     """`torchrun --nproc-per-node 8 t2po.py` on the tiny model (issue 26): 3 groups on 8 ranks (5 without
