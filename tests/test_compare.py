@@ -194,3 +194,35 @@ def test_run_plays_only_the_arms_asked_for_seed_by_seed(tmp_path, monkeypatch):
     assert len(calls) == 2  # finished runs are skipped
     with pytest.raises(SystemExit, match="unknown arm 'grpo'; choose from t2po, gigpo"):
         compare.run("t2po", [0], [], str(tmp_path), arms=["grpo"])
+
+
+def test_demo_reports_the_held_out_games_rl_added_per_seed_against_the_lr0_control(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """`demo`: t2po.py as it is (rl) vs --lr 0 (lr0). Held-out of 8 games: before RL 4/8 in every run; after
+    RL 6, 5, 3, 7, 6 (rl) and 4 every seed (lr0, no weight moved). Gains +2 +1 −1 +3 +2: mean 1.4,
+    s = √(9.2/4) = 1.517, half-width t_{0.975,4} · s / √5 = 2.776 · 0.678 = 1.883, so [−0.48, 3.28] holds 0;
+    4 of 5 seeds gained: 0.8, s = √(0.8/4), half-width 2.776 · 0.2 = 0.555. Probe (fixed training tasks) 0.5
+    at step 0 and 0.75 after the last step in rl: +0.25."""
+    root = tmp_path / "runs"
+    for arm, afters in [("rl", [6, 5, 3, 7, 6]), ("lr0", [4] * 5)]:
+        for seed, after in enumerate(afters):
+            rows = copy.deepcopy(T2PO_ROWS)
+            rows[1].update({"eval_cold_start/success_rate": 0.5, "eval_cold_start/rollouts": 8,
+                            "probe/success_rate": 0.5})
+            rows[3]["probe/success_rate"] = 0.75 if arm == "rl" else 0.5
+            rows[4].update({"eval/success_rate": after / 8, "eval/rollouts": 8})
+            _run(root, "demo", f"{arm}-s{seed}", rows, {})
+    compare.main(["report", "demo", "--root", str(root), "--figures", str(tmp_path / "fig")])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| metric | rl (n=5) | lr0 (n=5) | rl − lr0, paired | verdict |" in lines
+    assert "| held-out games won, after − before RL | 1.400 ± 1.883 | 0.000 ± 0.000 | +1.400 ± 1.883 " \
+           "| within noise |" in lines
+    assert "| share of seeds where RL won more held-out games | 0.800 ± 0.555 | 0.000 ± 0.000 " \
+           "| +0.800 ± 0.555 | method better |" in lines
+    assert "| probe success (training tasks), after − before RL | 0.250 ± 0.000 | 0.000 ± 0.000 " \
+           "| +0.250 ± 0.000 | method better |" in lines
+    calls = []
+    monkeypatch.setattr(compare.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or os.makedirs(
+        cmd[cmd.index("--out") + 1]) or 0)
+    compare.run("demo", [7], [], str(tmp_path / "new"), arms=["lr0"])  # the demo is t2po.py, --lr 0
+    assert calls[0][1].endswith("t2po.py") and calls[0][-2:] == ["--lr", "0"]
