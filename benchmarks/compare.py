@@ -42,7 +42,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.plot import read_metrics, train_series  # noqa: E402
+from common.plot import probe_series, read_metrics, train_series  # noqa: E402
 
 # arm name -> the flags that make it; the first arm is the paper's method, the others its baselines
 ARMS = {
@@ -246,8 +246,10 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
     for ax, key in zip(axes, CURVES[algo], strict=False):
         for i, arm in enumerate(arms):
             by_step = defaultdict(list)  # step -> the seeds' values
-            for rows in runs[arm].values():
-                for step, value in zip(*train_series(rows, lambda r, k=key: r.get(k)), strict=True):
+            for rows in runs[arm].values():  # probe/: from step 0 (the cold-start row) on
+                series = probe_series(rows) if key == "probe/success_rate" else train_series(
+                    rows, lambda r, k=key: r.get(k))
+                for step, value in zip(*series, strict=True):
                     by_step[step].append(value)
             steps = sorted(by_step)
             if not steps:

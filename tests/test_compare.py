@@ -221,6 +221,7 @@ def test_demo_reports_the_held_out_games_rl_added_per_seed_against_the_lr0_contr
            "| +0.800 ± 0.555 | method better |" in lines
     assert "| probe success (training tasks), after − before RL | 0.250 ± 0.000 | 0.000 ± 0.000 " \
            "| +0.250 ± 0.000 | method better |" in lines
+    assert (tmp_path / "fig" / "compare_demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     calls = []
     monkeypatch.setattr(compare.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or os.makedirs(
         cmd[cmd.index("--out") + 1]) or 0)
