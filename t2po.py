@@ -135,8 +135,7 @@ PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "ve
 PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
                                         '"holdout": "walkthrough"}',
                             tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
-                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto",
-                            probe_tasks=8)
+                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto")
 
 
 def check_args(args: Args) -> None:

@@ -24,9 +24,10 @@ from (after the cold start; the base model's without one): the same for every ar
 success before and after RL per arm, with the command and the commit in the footer.
 
 `demo` is not a paper's claim but the default run's (`python t2po.py`, what `make demo` plays): does RL add
-to the cold start? Its arms are the run as it is and a no-update control (`--lr 0`: the same rollouts, no
-weight moves); its table adds, per arm, the held-out games won after RL minus before it (paired within each
-run) and the share of seeds where that is > 0, and the same gain on the fixed probe set of training tasks.
+to the cold start? Its arms are the run with a probe set of 8 training tasks (`--probe-tasks 8`; it does
+not change training) and a no-update control (`--lr 0`: the same rollouts, no weight moves); its table
+adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
+seeds where that is > 0, and the same gain on the probe set.
 """
 
 import argparse
@@ -50,7 +51,7 @@ ARMS = {
     "arpo": {"arpo": [], "grpo": ["--rollout", "global"]},
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
-    "demo": {"rl": [], "lr0": ["--lr", "0"]},
+    "demo": {"rl": ["--probe-tasks", "8"], "lr0": ["--probe-tasks", "8", "--lr", "0"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
