@@ -143,7 +143,7 @@ def rl_gained(rows) -> float | None:
 
 def probe_gain(rows) -> float | None:
     """Success on the fixed probe set of training tasks (t2po.py --probe-tasks): last step minus step 0."""
-    probe = [r["probe/success_rate"] for r in rows if "probe/success_rate" in r]
+    probe = probe_series(rows)[1]
     return probe[-1] - probe[0] if len(probe) > 1 else None
 
 
