@@ -397,7 +397,8 @@ def _loadable_anywhere(weights: str, model: nn.Module, args) -> None:
 
 
 def load_checkpoint(out_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
-    """Restore weights, optimizer and RNG states from the newest readable checkpoint in <out>.
+    """Restore weights, optimizer and RNG states from the newest readable checkpoint in <out>; the optimizer's
+    hyperparameters (lr, weight decay, betas) stay this run's, as given now.
 
     Every file of a checkpoint is read before anything is restored; one that is missing or truncated (a
     full disk, a crash before the data reached the disk) makes it unreadable: one line names the file,
@@ -428,12 +429,17 @@ def load_checkpoint(out_dir: str, model: nn.Module, optimizer: torch.optim.Optim
         load_weights(model, os.path.join(path, "weights"))
     saved = loaded["optimizer"]
     if optimizer is not None:
+        # torch restores the saved groups' lr, betas, ... too: keep this run's (a --resume with another --lr
+        # prints the change, so it must also train at it)
+        flags = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         if sharded and saved["state"]:  # every rank keeps its shard of each full tensor
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             set_optimizer_state_dict(model, optimizer, _by_name(model, optimizer, saved), options=_options())
         else:
             optimizer.load_state_dict(_by_position(model, optimizer, saved))
+        for group, given in zip(optimizer.param_groups, flags, strict=True):
+            group.update(given)
     set_rng_states(loaded["state"]["rng"])
     return {"step": loaded["state"]["step"], "extra": loaded["state"]["extra"], "args": loaded["args"],
             "path": path}

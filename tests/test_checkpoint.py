@@ -137,6 +137,22 @@ def _assert_same_optimizer(got: dict, want: dict) -> None:
         assert all(torch.equal(got[name][k], want[name][k]) for k in want[name]), name
 
 
+def test_resume_trains_at_the_lr_given_now_with_the_saved_moments(tmp_path):
+    # torch's load_state_dict would also restore the checkpoint's lr: `--resume --lr 0` would then train
+    model, _ = load_policy(TINY_MODEL, lora_rank=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_step(model, optimizer)
+    save_checkpoint(str(tmp_path), 1, model, optimizer, Args())
+    model2, _ = load_policy(TINY_MODEL, lora_rank=0)
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.0, weight_decay=0.0)
+    load_checkpoint(str(tmp_path), model2, optimizer2)
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer2.param_groups] == [(0.0, 0.0)]
+    assert optimizer2.state_dict()["state"][0]["step"] == 1  # the moments are the checkpoint's
+    before = trainable(model2)
+    train_step(model2, optimizer2)
+    assert all(torch.equal(p, before[n]) for n, p in trainable(model2).items())  # lr 0: nothing moves
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank,nproc", [(0, 2), (2, 2), (0, 8)])
 def test_fsdp2_checkpoint_from_n_ranks_resumes_in_one_process_and_back(tmp_path, lora_rank, nproc):
