@@ -674,6 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
         r.logger.log({"step": 0, **r.extra["base"]})
         if args.cold_start:
             log = cold_start(r, env, train_tasks, args)
+            run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
             r.extra["cold_start"] = held_out("cold_start")
             r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
                                               for k, v in r.extra["cold_start"].items()}})

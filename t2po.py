@@ -811,6 +811,7 @@ def main(argv: list[str] | None = None) -> dict:
         r.logger.log({"step": 0, **r.extra["base"], **({} if args.cold_start else probe(0))})
     if args.cold_start and "cold_start" not in r.extra:
         log = cold_start(r, env, options, train_tasks, args)
+        run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
         r.extra["cold_start"] = held_out("cold_start", 0)
         r.logger.log({"step": 0, **log, **probe(0), **{k.replace("eval/", "eval_cold_start/"): v
                                                        for k, v in r.extra["cold_start"].items()}})

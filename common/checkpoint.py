@@ -357,6 +357,30 @@ def _put_in_place(tmp: str, final: str, step: int) -> None:
         raise
 
 
+def save_reference(out_dir: str, model: nn.Module) -> None:
+    """<out>/reference/: the KL reference's weights (adapter or full), atomically, for --resume; rank 0."""
+    if not dist.is_main():
+        return
+    final = os.path.join(out_dir, "reference")
+    tmp = tempfile.mkdtemp(prefix=".tmp-reference-", dir=out_dir)
+    try:
+        save_weights(model, os.path.join(tmp, "weights"))
+        if os.path.isdir(final):  # a cold start run again: the new reference replaces it
+            os.rename(final, os.path.join(tmp, "old"))
+        os.rename(os.path.join(tmp, "weights"), final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_reference(out_dir: str, model: nn.Module) -> bool:
+    """Load <out>/reference/ (save_reference) into `model`; False when the run saved none."""
+    path = os.path.join(out_dir, "reference")
+    if not os.path.isdir(path):
+        return False
+    load_weights(model, path)
+    return True
+
+
 def public_model_id(given: str) -> str:
     """The --model a user gave, as another machine can resolve it: the packaged default's aliases are its hub
     id (its weights are the packaged Q4_1 gguf de-quantised, close to but not equal to the hub's: an export

@@ -59,8 +59,8 @@ class RunArgs:
     temperature: float = opt("rollout", 1.0, "sampling temperature of training rollouts (the loss's "
                              "log-probs are computed at it too)", gt=0)
     max_new_tokens: int = opt("rollout", 16, "token limit per agent turn (ARPO: per response)", ge=1)
-    kl_coef: float = opt("algorithm", 0.0, "KL penalty to the initial policy (0 = off; with LoRA the "
-                         "reference is the base model, adapter off)", ge=0)
+    kl_coef: float = opt("algorithm", 0.0, "KL penalty to the policy RL starts from: after the cold start, "
+                         "else --model (with LoRA: the base model, adapter off); 0 = off", ge=0)
     cold_start: bool = opt("cold start", True, "supervised fine-tuning on successful expert episodes before "
                            "RL (ours on the CPU: a 135M model never writes a valid action zero-shot)")
     cold_start_episodes: int = opt("cold start", 8, "episodes collected for the cold start; 0 = off", ge=0)
@@ -190,7 +190,7 @@ class Run:
     tokenizer: object
     generator: object
     optimizer: torch.optim.Optimizer
-    reference: torch.nn.Module | None  # a frozen copy for the KL term (full fine-tune); LoRA: adapter off
+    reference: torch.nn.Module | None  # the KL's frozen copy (None: LoRA before a cold start, adapter off)
     logger: MetricsLogger
     start_step: int  # the step a resumed run continues after (0: a new run)
     extra: dict  # what a checkpoint keeps besides weights: held-out results of the stages done
@@ -214,11 +214,14 @@ def setup(args, desc: str) -> Run:
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
         raise SystemExit(f"{script}: {e}") from None
     model.eval()  # no dropout: recomputed log-probs equal the sampler's policy
-    if dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2" \
-            and isinstance(generator, HFGenerator):
+    fsdp2 = dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2"
+    if fsdp2 and isinstance(generator, HFGenerator):
         # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
         raise SystemExit(f"{script}: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
                          "would deadlock); use --parallel ddp or --lora-rank > 0")
+    if fsdp2 and args.kl_coef > 0 and args.lora_rank > 0 and args.cold_start:  # see cold_started_reference
+        raise SystemExit(f"{script}: --kl-coef after a cold start with LoRA needs --parallel ddp (its "
+                         "reference, the cold-started adapter, is a copy of the model, which FSDP2 shards)")
     reference = None
     if args.kl_coef > 0 and args.lora_rank == 0:  # the initial policy, frozen, before any update
         reference = copy.deepcopy(model).requires_grad_(False).eval()
@@ -229,6 +232,11 @@ def setup(args, desc: str) -> Run:
     if state is not None:
         generator.update_weights(model)
         say(f"{script}: resumed from step {state['step']}")
+    if state is not None and args.kl_coef > 0 and "cold_start" in stage_results(state["extra"] or {}):
+        reference = reference if reference is not None else copy.deepcopy(model).requires_grad_(False).eval()
+        if not checkpoint.load_reference(args.out, reference):
+            raise SystemExit(f"{script}: --resume: {args.out} has no reference/ (the policy after the cold "
+                             "start, --kl-coef's reference); start a new run")
     if getattr(args, "autocast", "off") != "off":  # the scripts that declare --autocast (t2po.py)
         say(f"--autocast {args.autocast}: training passes in {'bf16' if bf16_training(args) else 'fp32'}")
     logger = MetricsLogger(args.out, args.steps, desc, initial_step=state["step"] if state else None,
@@ -337,6 +345,22 @@ def report(args, extra: dict, n_tasks: int, also: str = "", t_begin: float | Non
         f"{s} {round(extra[s]['eval/success_rate'] * n_tasks)}/{n_tasks}" for s in stages)
         + (f"  | {also.removeprefix('eval/')}: " + " -> ".join(f"{s} {extra[s][also]:.3f}" for s in stages)
            if also else "") + (f"  ({(time.time() - t_begin) / 60:.1f} min)" if t_begin else ""))
+
+
+def cold_started_reference(run: Run, args) -> None:
+    """After an in-script cold start, --kl-coef's reference is the policy RL starts from, not --model: the
+    papers' RL starts from their SFT/RFT checkpoint, which is its own reference. A frozen copy (with LoRA
+    too, where the adapter-off base model would pull back to before the cold start), also written to
+    <out>/reference/ for --resume. Every rank calls it."""
+    if args.kl_coef <= 0:
+        return
+    if run.reference is None:  # LoRA (never sharded here: setup refuses it under FSDP2)
+        run.reference = copy.deepcopy(run.model).requires_grad_(False).eval()
+    frozen = dict(run.reference.named_parameters())
+    with torch.no_grad():
+        for name, p in run.model.named_parameters():  # FSDP2: gathered one parameter at a time
+            frozen[name].copy_(dist.full_tensor(p))
+    checkpoint.save_reference(args.out, run.reference)
 
 
 def save(run: Run, args, step: int) -> None:

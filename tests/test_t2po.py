@@ -613,6 +613,26 @@ def test_probe_tasks_are_the_first_training_tasks_played_after_the_cold_start_an
         assert [ep["task"] for ep in episodes] == [0, 1]  # the toy env's first two training tasks
 
 
+def test_the_kl_reference_is_the_cold_started_policy_also_after_resume(tmp_path):
+    """--kl-coef after a cold start: the KL is to the policy RL starts from (the papers start RL from their
+    SFT/RFT checkpoint), not to --model. At --lr 0 the policy stays the cold-started one, so each step's KL
+    is 0 up to float noise; to --model it is not (the cold start at lr 1e-2 moved the weights). A resumed
+    run reads the reference back from <out>/reference/."""
+    import json
+
+    out = str(tmp_path / "run")
+    argv = ["--env", "webshop-lite", "--model", "tiny-random", "--cold-start-episodes", "2",
+            "--cold-start-lr", "1e-2", "--group-size", "2", "--tasks-per-step", "1", "--max-turns", "3",
+            "--max-new-tokens", "8", "--tti-chunk", "8", "--lr", "0", "--kl-coef", "0.1", "--eval-tasks", "1",
+            "--threads", "1", "--save-every", "1", "--out", out]
+    t2po.main(argv + ["--steps", "1"])
+    t2po.main(argv + ["--steps", "2", "--resume"])
+    lines = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert lines[1]["cold_start/samples"] > 0
+    kls = [line["kl"] for line in lines if "kl" in line]
+    assert len(kls) == 2 and max(kls) < 1e-9, kls
+
+
 @pytest.mark.slow
 def test_torchrun_eight_ranks_end_to_end_then_resume_across_world_sizes(tmp_path):
     """`torchrun --nproc-per-node 8 t2po.py` on the tiny model (issue 26): 3 groups on 8 ranks (5 without
