@@ -436,6 +436,7 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
     everyone = sorted(k for keys in dist.all_gather_object(list(mine)) for k in keys)  # the global batch
     totals = dict(EMPTY_STATS)
     losses, grad_norms, abandoned = [], [], False
+    policy.train()  # transformers' gradient checkpointing acts only in train mode
     for _ in range(args.epochs):
         order = torch.randperm(len(everyone), generator=rng).tolist()
         for start in range(0, len(order), args.minibatch_size):
@@ -471,6 +472,7 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
             merge_stats(totals, mb_stats)
         if abandoned:
             break
+    policy.eval()
     n, any_tokens = max(totals["rollouts"], 1.0), totals["tokens"] > 0
     return {"loss": sum(losses) / max(len(losses), 1), "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "gradient_steps": len(losses), "clip_fraction": totals["clipped"] / max(totals["units"], 1.0),

@@ -223,6 +223,24 @@ def test_first_minibatch_ratio_is_one_so_nothing_clips(tiny):
     assert abs(st["kl_k1"]) < 1e-5 and abs(st["kl_k3"]) < 1e-5
 
 
+def test_update_trains_in_train_mode_so_gradient_checkpointing_acts():
+    # transformers checkpoints a layer only while model.training: in eval mode (as run.setup leaves the
+    # model, for sampling) the appworld preset's gradient_checkpointing was silently off
+    from common import models
+
+    model, _ = models.load_policy(models.TINY_MODEL, gradient_checkpointing=True)
+    model.eval()
+    mlp = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")).mlp
+    calls, forward = [], mlp.forward
+    mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)  # a hook is not called on recompute
+    rs = _rollouts(4)
+    loop.recompute_logprobs(model, rs, pad_id=0, micro=4, key="old_logp")
+    calls.clear()
+    _sgd_update(model, rs, [1.0, -1.0, 0.5, -0.5])  # 2 micro-batches: each layer runs again in backward
+    assert len(calls) == 4, calls
+    assert not model.training  # back to eval mode for the next rollout
+
+
 def test_one_step_raises_positive_and_lowers_negative_rollout(tiny):
     import copy
 
