@@ -672,8 +672,7 @@ def main(argv: list[str] | None = None) -> dict:
         t_eval, r.extra["base"] = time.time(), held_out("base")
         t_eval = time.time() - t_eval
         r.logger.log({"step": 0, **r.extra["base"]})
-        if args.cold_start:
-            log = cold_start(r, env, train_tasks, args)
+        if args.cold_start and (log := cold_start(r, env, train_tasks, args)):  # {}: it had no demonstration
             run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
             r.extra["cold_start"] = held_out("cold_start")
             r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
