@@ -4,7 +4,7 @@
     python benchmarks/compare.py run arpo --seeds 0 1 2 -- --steps 4 --max-minutes 0
     python benchmarks/compare.py run loop --seeds 0 1 2 -- --steps 3
     python benchmarks/compare.py report t2po arpo loop             # table + PNG curves into docs/figures
-    python benchmarks/compare.py run demo --seeds 0 1 2 3 4         # the default run vs its --lr 0 control
+    python benchmarks/compare.py run demo --arms rl lr0 --seeds 0 1 2 3 4   # the default run, its --lr 0
 
 `run` plays every (arm, seed) one after another on one thread (OMP_NUM_THREADS=1; on a 2-core machine
 run at most two `run`s at once: torch beside another busy process slows far more than 2x), into
@@ -25,7 +25,8 @@ success before and after RL per arm, with the command and the commit in the foot
 
 `demo` is not a paper's claim but the default run's (`python t2po.py`, what `make demo` plays): does RL add
 to the cold start? Its arms are the run with a probe set of 8 training tasks (`--probe-tasks 8`; it does
-not change training) and a no-update control (`--lr 0`: the same rollouts, no weight moves); its table
+not change training), a no-update control (`--lr 0`: the same rollouts, no weight moves) and two smaller
+steps (`--lr 5e-6`, also at the paper's `--temperature 1.0`); the table shows the arms that ran. It
 adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
 seeds where that is > 0, and the same gain on the probe set.
 """
@@ -51,7 +52,10 @@ ARMS = {
     "arpo": {"arpo": [], "grpo": ["--rollout", "global"]},
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
-    "demo": {"rl": ["--probe-tasks", "8"], "lr0": ["--probe-tasks", "8", "--lr", "0"]},
+    "demo": {"rl": ["--probe-tasks", "8"], "lr0": ["--probe-tasks", "8", "--lr", "0"],
+             # does a smaller step (the paper's lr: 1e-6) stop RL's losses? also at the paper's T 1.0
+             "lr5e-6": ["--probe-tasks", "8", "--lr", "5e-6"],
+             "t1-lr5e-6": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
@@ -217,7 +221,7 @@ def fmt(mean: float, half: float, n: int, sign: bool = False) -> str:
 
 def table(algo: str, runs: dict[str, dict[int, list[dict]]]) -> str:
     """The markdown table: a row per metric; per arm mean ± half-width; per baseline the paired difference."""
-    arms = list(ARMS[algo])
+    arms = [a for a in ARMS[algo] if a in runs] or list(ARMS[algo])  # the arms that ran
     method, baselines = arms[0], arms[1:]
     header = ["metric"] + [f"{a} (n={len(runs.get(a, {}))})" for a in arms]
     for b in baselines:
