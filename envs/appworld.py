@@ -52,6 +52,7 @@ and you see what it prints. Work in small steps and print what you need to look 
 
 Task: {instruction}"""
 
+WORKER_START_S = 60.0  # added to the first command's timeout: a fresh interpreter imports AppWorld first
 CODE_RE = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -156,15 +157,17 @@ class AppWorldEnv:
 
     # -- the worker process ----------------------------------------------------------------------------
     def _call(self, cmd: str, arg=None):
+        timeout = self.step_timeout_s
         if self.proc is None or not self.proc.is_alive():
             ctx = mp.get_context("spawn")
             self.conn, child = ctx.Pipe()
             self.proc = ctx.Process(target=_worker, args=(child, *self.factories, self.root), daemon=True)
             self.proc.start()
+            timeout += WORKER_START_S  # the start is not the command's: seconds on a busy machine
         self.conn.send((cmd, arg))
-        if not self.conn.poll(self.step_timeout_s):
+        if not self.conn.poll(timeout):
             self.close()  # hung (e.g. stuck in the apps' database): kill it; a fresh one comes next time
-            raise TimeoutError(f"AppWorld did not answer {cmd!r} within {self.step_timeout_s:g} s")
+            raise TimeoutError(f"AppWorld did not answer {cmd!r} within {timeout:g} s")
         status, out = self.conn.recv()
         if status == "error":
             raise RuntimeError(out)

@@ -141,6 +141,24 @@ def test_hung_world_ends_the_episode_and_the_next_starts_fresh():
         e.close()
 
 
+def slow_start_world(task_id: str, experiment_name: str) -> StandInWorld:
+    time.sleep(3)  # longer than the step timeout below, as a slow import of AppWorld would take
+    return StandInWorld(task_id, experiment_name)
+
+
+def test_a_fresh_worker_s_first_command_also_gets_time_to_start():
+    # on a busy machine a spawned interpreter takes seconds to start: not the command's time
+    e = make_env("appworld", world_factory="tests.test_appworld:slow_start_world",
+                 task_ids_fn="tests.test_appworld:stand_in_task_ids", step_timeout_s=2)
+    try:
+        assert e.reset("t")[1]["task_id"] == "t"  # the first command of a new worker: 2 + 60 s
+        t0 = time.time()
+        obs, r, done, info = e.step(code("hang()"))  # a started worker: 2 s
+        assert done and "within 2 s" in info["error"] and time.time() - t0 < 10
+    finally:
+        e.close()
+
+
 def test_real_appworld_when_available():
     why = appworld.availability_error()
     if why:
