@@ -414,7 +414,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
     for name in ("straight", "resumed"):
         model, _ = models.load_policy(models.TINY_MODEL)
         state = checkpoint.load_checkpoint(str(tmp_path / name), model, None)
-        assert state["step"] == 3 and set(state["extra"]) == {"base"}  # the toy env has no expert: no cold start
+        assert state["step"] == 3 and set(state["extra"]) == {"base"}  # toy: no expert, no cold start
         params.append(model.state_dict())
     for k, v in params[0].items():
         assert torch.equal(v, params[1][k]), k
