@@ -26,7 +26,8 @@ success before and after RL per arm, with the command and the commit in the foot
 `demo` is not a paper's claim but the default run's (`python t2po.py`, what `make demo` plays): does RL add
 to the cold start? Its arms are the run with a probe set of 8 training tasks (`--probe-tasks 8`; it does
 not change training), a no-update control (`--lr 0`: the same rollouts, no weight moves) and two smaller
-steps (`--lr 5e-6`, also at the paper's `--temperature 1.0`); the table shows the arms that ran. It
+steps (`--lr 5e-6`, also at the paper's `--temperature 1.0`) and, at T 1.0, 4 tasks x 4 rollouts a step
+at `--lr 1e-5` (the same 16 episodes, more groups that can differ); the table shows the arms that ran. It
 adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
 seeds where that is > 0, and the same gain on the probe set.
 """
@@ -55,7 +56,10 @@ ARMS = {
     "demo": {"rl": ["--probe-tasks", "8"], "lr0": ["--probe-tasks", "8", "--lr", "0"],
              # does a smaller step (the paper's lr: 1e-6) stop RL's losses? also at the paper's T 1.0
              "lr5e-6": ["--probe-tasks", "8", "--lr", "5e-6"],
-             "t1-lr5e-6": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6"]},
+             "t1-lr5e-6": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6"],
+             # more groups with a signal at the same cost: 4 tasks x 4 rollouts, a step between the two
+             "t1-4x4-lr1e-5": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "1e-5",
+                               "--tasks-per-step", "4", "--group-size", "4"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
