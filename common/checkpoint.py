@@ -324,14 +324,11 @@ def _write_checkpoint(out_dir: str, final: str, step: int, model: nn.Module, ful
         _torch_save({"step": step, "extra": extra, "rng": rng_states()}, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(_args_dict(args), f, indent=1, default=str)
-        _put_in_place(tmp, final, step)
+        _put_in_place(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for _, path in _checkpoints(out_dir)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
-    for name in os.listdir(folder):
-        if name.startswith(".tmp-old-"):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def _torch_save(obj, path: str) -> None:
@@ -341,33 +338,31 @@ def _torch_save(obj, path: str) -> None:
         torch.save(obj, f)
 
 
-def _put_in_place(tmp: str, final: str, step: int) -> None:
-    """Rename the written checkpoint `tmp` to `final`; the same step saved again (e.g. after a resume)
-    replaces it, and is put back if the rename fails."""
+def _put_in_place(tmp: str, final: str) -> None:
+    """Rename the written folder `tmp` to `final`; one there already (the same step saved again after a
+    resume, a cold start run again) is replaced, and put back if the rename fails."""
     if not os.path.isdir(final):
         os.rename(tmp, final)
         return
-    parked = tempfile.mkdtemp(prefix=f".tmp-old-step_{step}-", dir=os.path.dirname(final))
-    os.rename(final, os.path.join(parked, "ckpt"))
+    parked = tempfile.mkdtemp(prefix=f".tmp-old-{os.path.basename(final)}-", dir=os.path.dirname(final))
+    os.rename(final, os.path.join(parked, "old"))
     try:
         os.rename(tmp, final)
     except OSError:
-        os.rename(os.path.join(parked, "ckpt"), final)
-        os.rmdir(parked)
+        os.rename(os.path.join(parked, "old"), final)
         raise
+    finally:
+        shutil.rmtree(parked, ignore_errors=True)
 
 
 def save_reference(out_dir: str, model: nn.Module) -> None:
     """<out>/reference/: the KL reference's weights (adapter or full), atomically, for --resume; rank 0."""
     if not dist.is_main():
         return
-    final = os.path.join(out_dir, "reference")
     tmp = tempfile.mkdtemp(prefix=".tmp-reference-", dir=out_dir)
     try:
-        save_weights(model, os.path.join(tmp, "weights"))
-        if os.path.isdir(final):  # a cold start run again: the new reference replaces it
-            os.rename(final, os.path.join(tmp, "old"))
-        os.rename(os.path.join(tmp, "weights"), final)
+        save_weights(model, tmp)
+        _put_in_place(tmp, os.path.join(out_dir, "reference"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

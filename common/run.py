@@ -224,7 +224,7 @@ def setup(args, desc: str) -> Run:
                          "reference, the cold-started adapter, is a copy of the model, which FSDP2 shards)")
     reference = None
     if args.kl_coef > 0 and args.lora_rank == 0:  # the initial policy, frozen, before any update
-        reference = copy.deepcopy(model).requires_grad_(False).eval()
+        reference = frozen_copy(model)
     policy = dist.wrap(model, args.parallel)  # training forward/backward; generation reads `model`
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
@@ -233,7 +233,7 @@ def setup(args, desc: str) -> Run:
         generator.update_weights(model)
         say(f"{script}: resumed from step {state['step']}")
     if state is not None and args.kl_coef > 0 and "cold_start" in stage_results(state["extra"] or {}):
-        reference = reference if reference is not None else copy.deepcopy(model).requires_grad_(False).eval()
+        reference = reference if reference is not None else frozen_copy(model)
         if not checkpoint.load_reference(args.out, reference):
             raise SystemExit(f"{script}: --resume: {args.out} has no reference/ (the policy after the cold "
                              "start, --kl-coef's reference); start a new run")
@@ -347,6 +347,11 @@ def report(args, extra: dict, n_tasks: int, also: str = "", t_begin: float | Non
            if also else "") + (f"  ({(time.time() - t_begin) / 60:.1f} min)" if t_begin else ""))
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` that no update reaches: --kl-coef's reference."""
+    return copy.deepcopy(model).requires_grad_(False).eval()
+
+
 def cold_started_reference(run: Run, args) -> None:
     """After an in-script cold start, --kl-coef's reference is the policy RL starts from, not --model: the
     papers' RL starts from their SFT/RFT checkpoint, which is its own reference. A frozen copy (with LoRA
@@ -355,7 +360,7 @@ def cold_started_reference(run: Run, args) -> None:
     if args.kl_coef <= 0:
         return
     if run.reference is None:  # LoRA (never sharded here: setup refuses it under FSDP2)
-        run.reference = copy.deepcopy(run.model).requires_grad_(False).eval()
+        run.reference = frozen_copy(run.model)
     frozen = dict(run.reference.named_parameters())
     with torch.no_grad():
         for name, p in run.model.named_parameters():  # FSDP2: gathered one parameter at a time

@@ -469,6 +469,30 @@ def test_a_failed_replace_of_the_same_step_puts_the_old_one_back(tmp_path, monke
     assert _files(tmp_path / "checkpoints" / "step_1") == step_1
 
 
+def test_saving_the_same_step_or_reference_again_replaces_it_and_leaves_nothing_else(tmp_path):
+    from common.checkpoint import load_reference, save_reference
+
+    model, _ = load_policy(TINY_MODEL, lora_rank=2)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    save_checkpoint(str(tmp_path), 1, model, optimizer, {"seed": 1})
+    save_reference(str(tmp_path), model)
+    first = _files(tmp_path / "reference")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    save_checkpoint(str(tmp_path), 1, model, optimizer, {"seed": 2})  # a resumed run saving step 1 again
+    save_reference(str(tmp_path), model)  # a cold start run again
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1"]
+    assert json.load(open(tmp_path / "checkpoints" / "step_1" / "args.json"))["seed"] == 2
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    assert _files(tmp_path / "reference") != first
+    loaded, _ = load_policy(TINY_MODEL, lora_rank=2)
+    assert load_reference(str(tmp_path), loaded)
+    trained = dict(model.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in loaded.named_parameters() if p.requires_grad)
+
+
 @pytest.mark.slow
 def test_killed_and_resumed_run_logs_each_step_once(tmp_path, monkeypatch, capsys):
     """The reported case: --save-every 2, killed in step 4 after step 3 was logged; the resumed run
