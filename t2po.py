@@ -349,9 +349,7 @@ def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
 
 def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
     """Resample turn `cur` given the kept previous turn of its episode (None at k = 0)?"""
-    if prev is None:
-        return False
-    phi_prev, phi = tds_phis(prev, cur, args.alpha)
+    phi_prev, phi = tds_phis(prev, cur, args.alpha) if prev is not None else (None, 0.0)
     return tds_should_resample(phi, phi_prev, args.tds_eta)
 
 
@@ -763,9 +761,7 @@ def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Ge
     loss, clipped, kl = (dist.all_reduce(totals[k]) for k in ("loss", "clipped", "kl"))  # sums of shares
     out = {"loss": loss / tokens, "clip_fraction": clipped / tokens,
            "grad_norm": totals["grad_norm"] / n_minibatches, "num_tokens": int(tokens)}
-    if args.kl_coef > 0:
-        out["kl"] = kl / tokens
-    return out
+    return {**out, "kl": kl / tokens} if args.kl_coef > 0 else out
 
 
 def build_envs(args: Args) -> tuple:
