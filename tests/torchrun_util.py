@@ -1,17 +1,22 @@
 """Shared by the tests that run code under torchrun (2 or 8 ranks, gloo, on the CPU) and compare it with one
 process: the launcher, the loader of a worker script, and the rank-vs-one-process parameter check."""
 
+import atexit
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST_SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
+# torchrun's agent leaves a torchelastic_* folder in TMPDIR per launch: here, one folder removed at exit
+TMPDIR = tempfile.mkdtemp(prefix="torchrun-tests-")
+atexit.register(shutil.rmtree, TMPDIR, True)
 
 
 def torchrun_command(*args: str, nproc: int = 2) -> list[str]:
@@ -21,7 +26,7 @@ def torchrun_command(*args: str, nproc: int = 2) -> list[str]:
 
 
 def torchrun_env() -> dict:
-    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TMPDIR=TMPDIR)
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
