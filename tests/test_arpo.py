@@ -427,6 +427,49 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
     assert "cold_start" not in rows  # nor a held-out row for a cold start that did not happen
 
 
+@pytest.mark.slow
+def test_resume_after_the_cold_start_skips_it_and_reloads_its_kl_reference(tmp_path, monkeypatch):
+    """The tools env's expert demonstrations fit 160 tokens, so the cold start trains. A run killed in RL
+    step 2 resumes from step 1's checkpoint without a second cold start, reads the KL reference (the
+    cold-started policy) from <out>/reference, and ends with the uninterrupted run's weights and KL."""
+    import json
+
+    from common import checkpoint, models
+
+    small = ["--env", "tools", "--model", "tiny-random", "--group-size", "2", "--initial-rollouts", "2",
+             "--tasks-per-step", "1", "--max-new-tokens", "160", "--max-minutes", "0", "--steps", "2",
+             "--save-every", "1", "--eval-tasks", "2", "--cold-start-episodes", "4", "--kl-coef", "0.1",
+             "--weight-decay", "0.5", "--lr", "1e-3", "--threads", "1"]  # decay moves the policy from it
+    straight = arpo.main([*small, "--out", str(tmp_path / "straight")])
+    real_update, calls = arpo.update, []
+
+    def interrupted(*a, **k):  # dies inside step 2, after step 1's checkpoint was written
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_update(*a, **k)
+
+    monkeypatch.setattr(arpo, "update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        arpo.main([*small, "--out", str(tmp_path / "resumed")])
+    monkeypatch.setattr(arpo, "update", real_update)
+    monkeypatch.setattr(arpo, "cold_start", lambda *a, **k: pytest.fail("the resumed run redid the cold "
+                                                                        "start"))
+    resumed = arpo.main([*small, "--out", str(tmp_path / "resumed"), "--resume"])
+    params = []
+    for name in ("straight", "resumed"):
+        model, _ = models.load_policy(models.TINY_MODEL)
+        state = checkpoint.load_checkpoint(str(tmp_path / name), model, None)
+        assert state["step"] == 2 and set(state["extra"]) >= {"base", "cold_start"}
+        params.append(model.state_dict())
+    for k, v in params[0].items():
+        assert torch.equal(v, params[1][k]), k
+    kls = [[x["kl"] for x in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+            if "kl" in x] for name in ("straight", "resumed")]
+    assert kls[0][1] > 0 and kls[1][-1] == kls[0][1]  # step 2's KL: to the same reference
+    assert resumed["eval_cold_start"] == straight["eval_cold_start"]
+
+
 def test_paper_preset_is_one_flag_and_explicit_flags_win():
     argv = ["--preset", "paper", "--group-size", "8"]
     args = run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args)
