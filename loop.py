@@ -126,8 +126,7 @@ def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, turn_ids
 
     log_ratio, action_mask, turn_ids: (N, T). Returns (log ratio per unit, unit mask), both (N, U):
     token -> U = T (each action token its own weight); turn -> U = number of turns (sum of the turn's
-    token log-ratios = log of the turn's likelihood ratio); trajectory -> U = 1 (whole rollout).
-    """
+    token log-ratios = log of the turn's likelihood ratio); trajectory -> U = 1 (whole rollout)."""
     mask = action_mask.to(log_ratio.dtype)
     if level == "token":
         return log_ratio * mask, action_mask.bool()
@@ -151,8 +150,7 @@ def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch
 
     new_logp, old_logp, ref_logp, action_mask, turn_ids: (N, T) per target token; advantages: (N,).
     L = -1/M sum_i [ 1/|u(x_i)| sum_{u} min(r_u A_i, clip(r_u, 1/(1+eps), 1+eps) A_i) ]   with M the
-    constant minibatch size (not N, and not the number kept after filtering), u the importance units.
-    """
+    constant minibatch size (not N, and not the number kept after filtering), u the importance units."""
     log_ratio = new_logp - old_logp.detach()  # (N, T)
     unit_lr, unit_mask = unit_log_ratios(log_ratio, action_mask, turn_ids, level)  # (N, U)
     ratio = torch.exp(unit_lr)
@@ -346,13 +344,11 @@ def pad_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch
     t = max(len(r.ids) for r in batch)
     # built on the policy's device: on a GPU the forward refuses inputs left on the CPU
     pad = lambda xs, v, n: torch.tensor([list(x) + [v] * (n - len(x)) for x in xs], device=device)
-    out = {
-        "input_ids": pad([r.ids for r in batch], pad_id, t),  # (N, T)
-        "attention_mask": pad([[1] * len(r.ids) for r in batch], 0, t),  # (N, T)
-        # target t+1 is predicted at position t, so the masks are shifted by one
-        "action_mask": pad([r.action_mask[1:] for r in batch], False, t - 1),  # (N, T-1)
-        "turn_ids": pad([r.turn_ids[1:] for r in batch], -1, t - 1),  # (N, T-1)
-    }
+    out = {"input_ids": pad([r.ids for r in batch], pad_id, t),  # (N, T)
+           "attention_mask": pad([[1] * len(r.ids) for r in batch], 0, t),  # (N, T)
+           # target t+1 is predicted at position t, so the masks are shifted by one
+           "action_mask": pad([r.action_mask[1:] for r in batch], False, t - 1),  # (N, T-1)
+           "turn_ids": pad([r.turn_ids[1:] for r in batch], -1, t - 1)}  # (N, T-1)
     for key in ("old_logp", "ref_logp"):
         if all(getattr(r, key) is not None for r in batch):
             out[key] = pad([getattr(r, key) for r in batch], 0.0, t - 1)  # (N, T-1)
@@ -429,8 +425,7 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
     (group, sample), so the order does not depend on how groups were dealt out), take the same minibatch
     of `--minibatch-size` rollouts and each computes the part it owns. The loss keeps the constant
     divisor (the global minibatch size) and is multiplied by dist.grad_scale(), since DDP averages
-    gradients over ranks: one optimizer step is the same update on 1, 2 or 8 ranks.
-    """
+    gradients over ranks: one optimizer step is the same update on 1, 2 or 8 ranks."""
     device = next(policy.parameters()).device
     mine = {(r.group, r.sample): i for i, r in enumerate(rollouts)}
     everyone = sorted(k for keys in dist.all_gather_object(list(mine)) for k in keys)  # the global batch
