@@ -9,8 +9,8 @@ later runs and concurrent processes reuse it.
 Tasks are seeds: `tasks("train")` and `tasks("eval")` are disjoint seed ranges. Different seeds can still
 share a layout (coin collector level 3 has 12 walkthroughs, level 2 only 4), so a held-out game may have a
 solution seen in training. `holdout="walkthrough"` splits by solution instead: a game is held out when its
-walkthrough is one of the held-out ones (sha256 of the walkthrough, mod 4, is 0), so no held-out game's
-expert action sequence occurs in training. The default is the
+walkthrough is one of the held-out ones (sha256 of the walkthrough, mod 4, is 0, or those named in
+`held_out_walkthroughs`), so no held-out game's expert action sequence occurs in training. The default is the
 easiest game TextWorld generates, coin collector level 1: one room, four admissible commands, and
 "take coin" wins (a uniform pick among the admissible commands wins 1 step in 4). A 135M instruct
 model prompted zero-shot rarely writes an exact command (SmolLM2-135M-Instruct: p("take coin") ~ 4e-5
@@ -274,12 +274,17 @@ class TextWorldEnv:
 
     def __init__(self, challenge: str = "coin_collector", level: int = 1, max_steps: int = 30,
                  train_games: int = 100, eval_games: int = 20, cache: str | None = None,
-                 holdout: str = "seed"):
+                 holdout: str = "seed", held_out_walkthroughs: list[str] | None = None):
         self.challenge = challenge.removeprefix("tw-").replace("-", "_")
         challenge_settings(self.challenge, level, 0)  # fail now on a bad challenge / level
         if holdout not in ("seed", "walkthrough"):
             raise ValueError(f"holdout must be 'seed' or 'walkthrough', got {holdout!r}")
+        if held_out_walkthroughs is not None and holdout != "walkthrough":
+            raise ValueError("held_out_walkthroughs needs holdout='walkthrough'")
         self.holdout = holdout
+        # the held-out family by name ("go north, go west, take coin"), instead of the hash rule
+        self.held_out_walkthroughs = None if held_out_walkthroughs is None else {
+            tuple(c.strip() for c in w.split(",")) for w in held_out_walkthroughs}
         self.level, self.max_steps = level, max_steps
         self.train_games, self.eval_games, self.cache = train_games, eval_games, cache
         self.game = None
@@ -296,7 +301,9 @@ class TextWorldEnv:
         want_held_out, by_walkthrough = split == "eval", defaultdict(list)
         for seed in range(first, first + SCAN_FACTOR * n):
             commands = walkthrough(self.challenge, self.level, seed, self.cache)
-            if held_out(commands) == want_held_out:
+            family = held_out(commands) if self.held_out_walkthroughs is None else \
+                commands in self.held_out_walkthroughs
+            if family == want_held_out:
                 by_walkthrough[commands].append(seed)
         found = [s for row in itertools.zip_longest(*by_walkthrough.values()) for s in row if s is not None]
         if len(found) < n:

@@ -268,6 +268,21 @@ def test_walkthrough_holdout_family_is_a_fixed_hash():
         make(holdout="layout")
 
 
+def test_named_held_out_walkthroughs_replace_the_hash_rule():
+    # level 3's 12 walkthroughs (the shipped table: no game is generated); one held out per first move
+    named = ["go north, go west, take coin", "go south, go east, take coin", "go east, go north, take coin",
+             "go west, go south, take coin"]
+    env = make(level=3, train_games=16, eval_games=8, holdout="walkthrough", held_out_walkthroughs=named)
+    from envs.textworld_env import walkthrough
+
+    held = [walkthrough(env.challenge, env.level, s) for s in env.tasks("eval")]
+    train = [walkthrough(env.challenge, env.level, s) for s in env.tasks("train")]
+    assert set(held) == {tuple(w.split(", ")) for w in named}  # all four, 2 games each
+    assert len(set(train)) == 8 and not set(train) & set(held)
+    with pytest.raises(ValueError, match="needs holdout='walkthrough'"):
+        make(level=3, held_out_walkthroughs=named)
+
+
 @pytest.mark.slow
 def test_demo_held_out_games_have_walkthroughs_never_seen_in_training():
     # The default run's (`python t2po.py`) held-out games: none of their expert action sequences is the
