@@ -29,10 +29,12 @@ not change training), a no-update control (`--lr 0`: the same rollouts, no weigh
 steps (`--lr 5e-6`, also at the paper's `--temperature 1.0`) and, at T 1.0, 4 tasks x 4 rollouts a step
 at `--lr 1e-5` (the same 16 episodes, more groups that can differ); the table shows the arms that ran. It
 adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
-seeds where that is > 0, and the same gain on the probe set.
+seeds where that is > 0, and the same gain on the probe set; and, per run, the held-out games won per
+walkthrough (games that share one mostly win or lose together).
 """
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -215,6 +217,43 @@ def read_runs(root: str, algo: str) -> tuple[dict[str, dict[int, list[dict]]], i
     return dict(runs), unfinished
 
 
+def walkthrough_wins(folder: str) -> dict[str, list[int]]:
+    """demo: a run's held-out games per walkthrough ("S-W": go south, go west, take coin) as [games, won
+    after the cold start, won after RL], from its transcripts; {} without them. Games that share a
+    walkthrough mostly succeed or fail together: the held-out set's real size is its walkthroughs."""
+    from envs.textworld_env import walkthrough
+
+    paths = [os.path.join(folder, "transcripts", f"{stage}.jsonl") for stage in ("cold_start", "rl")]
+    if not all(map(os.path.exists, [*paths, os.path.join(folder, "args.json")])):
+        return {}
+    with open(os.path.join(folder, "args.json")) as f:
+        options = json.loads(json.load(f).get("env_options") or "{}")
+    wins: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for column, path in ((1, paths[0]), (2, paths[1])):
+        with open(path) as f:
+            for episode in map(json.loads, f):
+                commands = walkthrough(options.get("challenge", "coin_collector"), options.get("level", 1),
+                                       int(episode["task"]))
+                name = "-".join(c.split()[-1][0].upper() for c in commands if c.startswith("go "))
+                wins[name][0] += column == 1
+                wins[name][column] += bool(episode["won"])
+    return dict(sorted(wins.items()))
+
+
+def walkthrough_table(root: str, runs: dict[str, dict[int, list[dict]]]) -> str:
+    """demo: per arm and seed, the held-out games won per walkthrough, after the cold start → after RL."""
+    cells = {(arm, seed): walkthrough_wins(run_folder(root, "demo", arm, seed))
+             for arm in ARMS["demo"] if arm in runs for seed in sorted(runs[arm])}
+    names = sorted({name for wins in cells.values() for name in wins})
+    if not names:  # no run kept its transcripts
+        return ""
+    lines = ["| run | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for (arm, seed), wins in cells.items():
+        row = [f"{wins[n][1]} → {wins[n][2]} of {wins[n][0]}" if n in wins else "–" for n in names]
+        lines.append(f"| {arm}-s{seed} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def fmt(mean: float, half: float, n: int, sign: bool = False) -> str:
     if n == 0:
         return "–"
@@ -316,6 +355,9 @@ def report(algos: list[str], root: str, figures: str, markdown: str | None, comm
         draw(algo, runs, png, footer)
         shown = os.path.relpath(png, ROOT) if png.startswith(ROOT + os.sep) else png  # no machine paths
         parts.append(f"### {algo}{skipped}\n\n{table(algo, runs)}\n\nFigure: {shown}")
+        if algo == "demo" and (by_walkthrough := walkthrough_table(root, runs)):
+            parts.append("Held-out games won per walkthrough, after the cold start → after RL:\n\n"
+                         + by_walkthrough)
     text = "\n\n".join(parts) + "\n"
     print(text, end="")
     if markdown:

@@ -227,3 +227,22 @@ def test_demo_reports_the_held_out_games_rl_added_per_seed_against_the_lr0_contr
         cmd[cmd.index("--out") + 1]) or 0)
     compare.run("demo", [7], [], str(tmp_path / "new"), arms=["lr0"])  # the demo is t2po.py, --lr 0
     assert calls[0][1].endswith("t2po.py") and calls[0][-2:] == ["--lr", "0"]
+
+
+def test_demo_counts_held_out_wins_per_walkthrough(tmp_path, capsys):
+    """Coin collector level 3's seeds 0, 1, 2 and 3 have the walkthroughs west-north, south-east, north-east
+    and north-east (envs/textworld_walkthroughs.json). Won after the cold start: seeds 1, 2, 3; after RL:
+    0 and 2. So W-N 0 → 1 of 1, S-E 1 → 0 of 1, N-E 2 → 1 of 2."""
+    root = tmp_path / "runs"
+    _run(root, "demo", "rl-s0", T2PO_ROWS, {1: {"probe/success_rate": 0.5}, 3: {"probe/success_rate": 0.5}})
+    folder = root / "demo" / "rl-s0"
+    (folder / "args.json").write_text(json.dumps({"env_options": '{"level": 3, "holdout": "walkthrough"}'}))
+    (folder / "transcripts").mkdir()
+    for stage, won in [("cold_start", [False, True, True, True]), ("rl", [True, False, True, False])]:
+        (folder / "transcripts" / f"{stage}.jsonl").write_text("".join(
+            json.dumps({"task": seed, "won": w, "turns": []}) + "\n" for seed, w in enumerate(won)))
+    assert compare.walkthrough_wins(str(folder)) == {"N-E": [2, 2, 1], "S-E": [1, 1, 0], "W-N": [1, 0, 1]}
+    compare.main(["report", "demo", "--root", str(root), "--figures", str(tmp_path / "fig")])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| run | N-E | S-E | W-N |" in lines
+    assert "| rl-s0 | 2 → 1 of 2 | 1 → 0 of 1 | 0 → 1 of 1 |" in lines
