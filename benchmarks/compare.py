@@ -325,7 +325,8 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{algo}: {arms[0]} vs {', '.join(arms[1:])}, mean over seeds with 95% t intervals")
+    versus = f" vs {', '.join(arms[1:])}" if arms[1:] else ""  # one arm alone: no "vs"
+    fig.suptitle(f"{algo}: {arms[0]}{versus}, mean over seeds with 95% t intervals")
     fig.text(0.01, 0.01, footer, fontsize=8, color="grey")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=100)
