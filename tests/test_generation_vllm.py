@@ -171,8 +171,10 @@ def run_engine_script(out, nproc: int, *extra: str):
     import subprocess
     import sys
 
+    from torchrun_util import torchrun_env
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    env = torchrun_env()  # PYTHONPATH, one thread, and a TMPDIR removed at exit (torchrun's leftovers)
     script = os.path.join(root, "tests", "dist_scripts", "vllm_external_launcher.py")
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
     cmd = [sys.executable, *(torchrun if nproc > 1 else []), script, str(out), *extra]
