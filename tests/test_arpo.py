@@ -387,37 +387,49 @@ def test_end_to_end_reward_rises_on_toy(tmp_path):
     assert sum(rises) / len(rises) > 0.05, rises
 
 
-@pytest.mark.slow
-def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch, capsys):
-    """The weights and the training lines of a run killed in step 3 and resumed equal an uninterrupted
-    run's; so do the held-out results of the stages before RL, which the checkpoint keeps (a resumed run
-    used to lose them from its summary and its return value)."""
+def _killed_then_resumed(argv: list[str], tmp_path, monkeypatch, kill_at: int, before_resume=None) -> tuple:
+    """arpo.main(argv) uninterrupted into tmp_path/straight; again into tmp_path/resumed, killed inside its
+    `kill_at`-th update (after the previous step's checkpoint), then, after `before_resume()`, resumed there.
+    Returns both runs' return values and their final checkpoints' (state, weights)."""
     from common import checkpoint, models
 
-    small = [*TOY, "--group-size", "2", "--initial-rollouts", "1", "--steps", "3", "--save-every", "1"]
-    straight = arpo.main([*small, "--out", str(tmp_path / "straight")])
+    straight = arpo.main([*argv, "--out", str(tmp_path / "straight")])
     real_update, calls = arpo.update, []
 
-    def interrupted(*a, **k):  # dies inside iteration 3, after iteration 2's checkpoint was written
+    def interrupted(*a, **k):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == kill_at:
             raise KeyboardInterrupt
         return real_update(*a, **k)
 
     monkeypatch.setattr(arpo, "update", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        arpo.main([*small, "--out", str(tmp_path / "resumed")])
+        arpo.main([*argv, "--out", str(tmp_path / "resumed")])
     monkeypatch.setattr(arpo, "update", real_update)
-    capsys.readouterr()
-    resumed = arpo.main([*small, "--out", str(tmp_path / "resumed"), "--resume"])
-    params = []
+    if before_resume is not None:
+        before_resume()
+    resumed = arpo.main([*argv, "--out", str(tmp_path / "resumed"), "--resume"])
+    finals = []
     for name in ("straight", "resumed"):
         model, _ = models.load_policy(models.TINY_MODEL)
         state = checkpoint.load_checkpoint(str(tmp_path / name), model, None)
+        finals.append((state, model.state_dict()))
+    return straight, resumed, finals
+
+
+@pytest.mark.slow
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    """The weights and the training lines of a run killed in step 3 and resumed equal an uninterrupted
+    run's; so do the held-out results of the stages before RL, which the checkpoint keeps (a resumed run
+    used to lose them from its summary and its return value)."""
+    small = [*TOY, "--group-size", "2", "--initial-rollouts", "1", "--steps", "3", "--save-every", "1"]
+    # dies inside iteration 3, after iteration 2's checkpoint; capsys keeps the resumed run's output
+    straight, resumed, finals = _killed_then_resumed(small, tmp_path, monkeypatch, kill_at=3,
+                                                     before_resume=capsys.readouterr)
+    for state, _ in finals:
         assert state["step"] == 3 and set(state["extra"]) == {"base"}  # toy: no expert, no cold start
-        params.append(model.state_dict())
-    for k, v in params[0].items():
-        assert torch.equal(v, params[1][k]), k
+    for k, v in finals[0][1].items():
+        assert torch.equal(v, finals[1][1][k]), k
     assert train_rewards(tmp_path / "straight") == train_rewards(tmp_path / "resumed")[-3:]
     stages = [f"{k}_{s}" for s in ("before", "after") for k in ("eval", "reward")]
     assert {k: resumed[k] for k in stages} == {k: straight[k] for k in stages}
@@ -434,36 +446,20 @@ def test_resume_after_the_cold_start_skips_it_and_reloads_its_kl_reference(tmp_p
     cold-started policy) from <out>/reference, and ends with the uninterrupted run's weights and KL."""
     import json
 
-    from common import checkpoint, models
-
     small = ["--env", "tools", "--model", "tiny-random", "--group-size", "2", "--initial-rollouts", "2",
              "--tasks-per-step", "1", "--max-new-tokens", "160", "--max-minutes", "0", "--steps", "2",
              "--save-every", "1", "--eval-tasks", "2", "--cold-start-episodes", "4", "--kl-coef", "0.1",
              "--weight-decay", "0.5", "--lr", "1e-3", "--threads", "1"]  # decay moves the policy from it
-    straight = arpo.main([*small, "--out", str(tmp_path / "straight")])
-    real_update, calls = arpo.update, []
+    def no_second_cold_start():
+        monkeypatch.setattr(arpo, "cold_start", lambda *a, **k: pytest.fail("the resumed run redid it"))
 
-    def interrupted(*a, **k):  # dies inside step 2, after step 1's checkpoint was written
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_update(*a, **k)
-
-    monkeypatch.setattr(arpo, "update", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        arpo.main([*small, "--out", str(tmp_path / "resumed")])
-    monkeypatch.setattr(arpo, "update", real_update)
-    monkeypatch.setattr(arpo, "cold_start", lambda *a, **k: pytest.fail("the resumed run redid the cold "
-                                                                        "start"))
-    resumed = arpo.main([*small, "--out", str(tmp_path / "resumed"), "--resume"])
-    params = []
-    for name in ("straight", "resumed"):
-        model, _ = models.load_policy(models.TINY_MODEL)
-        state = checkpoint.load_checkpoint(str(tmp_path / name), model, None)
+    # dies inside step 2, after step 1's checkpoint was written
+    straight, resumed, finals = _killed_then_resumed(small, tmp_path, monkeypatch, kill_at=2,
+                                                     before_resume=no_second_cold_start)
+    for state, _ in finals:
         assert state["step"] == 2 and set(state["extra"]) >= {"base", "cold_start"}
-        params.append(model.state_dict())
-    for k, v in params[0].items():
-        assert torch.equal(v, params[1][k]), k
+    for k, v in finals[0][1].items():
+        assert torch.equal(v, finals[1][1][k]), k
     kls = [[x["kl"] for x in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
             if "kl" in x] for name in ("straight", "resumed")]
     assert kls[0][1] > 0 and kls[1][-1] == kls[0][1]  # step 2's KL: to the same reference
