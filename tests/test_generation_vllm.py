@@ -171,14 +171,12 @@ def run_engine_script(out, nproc: int, *extra: str):
     import subprocess
     import sys
 
-    from torchrun_util import torchrun_env
+    from torchrun_util import DIST_SCRIPTS, torchrun_command, torchrun_env
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = torchrun_env()  # PYTHONPATH, one thread, and a TMPDIR removed at exit (torchrun's leftovers)
-    script = os.path.join(root, "tests", "dist_scripts", "vllm_external_launcher.py")
-    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    cmd = [sys.executable, *(torchrun if nproc > 1 else []), script, str(out), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # DP=2 hung
+    argv = [os.path.join(DIST_SCRIPTS, "vllm_external_launcher.py"), str(out), *extra]
+    cmd = torchrun_command(*argv, nproc=nproc) if nproc > 1 else [sys.executable, *argv]
+    # torchrun_env: PYTHONPATH, one thread, and a TMPDIR removed at exit (torchrun's leftovers)
+    proc = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)  # DP=2 hung
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads((out / "result.json").read_text())
 
