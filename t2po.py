@@ -349,7 +349,9 @@ def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
 
 def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
     """Resample turn `cur` given the kept previous turn of its episode (None at k = 0)?"""
-    phi_prev, phi = tds_phis(prev, cur, args.alpha) if prev is not None else (None, 0.0)
+    if prev is None:
+        return False
+    phi_prev, phi = tds_phis(prev, cur, args.alpha)
     return tds_should_resample(phi, phi_prev, args.tds_eta)
 
 
