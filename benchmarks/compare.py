@@ -229,7 +229,7 @@ def walkthrough_wins(folder: str) -> dict[str, list[int]]:
     with open(os.path.join(folder, "args.json")) as f:
         options = json.loads(json.load(f).get("env_options") or "{}")
     wins: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for column, path in ((1, paths[0]), (2, paths[1])):
+    for column, path in enumerate(paths, start=1):
         with open(path) as f:
             for episode in map(json.loads, f):
                 commands = walkthrough(options.get("challenge", "coin_collector"), options.get("level", 1),
