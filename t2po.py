@@ -358,11 +358,10 @@ def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
 # GiGPO advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     """G_t = Σ_{j≥t} γ^{j−t} r_j."""
-    out, running = [0.0] * len(rewards), 0.0
+    out = [0.0] * (len(rewards) + 1)  # out[T] = 0: nothing after the last turn
     for t in reversed(range(len(rewards))):
-        running = rewards[t] + gamma * running
-        out[t] = running
-    return out
+        out[t] = rewards[t] + gamma * out[t + 1]
+    return out[:-1]
 
 
 def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> dict:
@@ -373,11 +372,9 @@ def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> d
         groups[k].append(v)
     stats = {}
     for k, g in groups.items():
-        if len(g) == 1:
-            stats[k] = (0.0 if singleton_mean_zero else g[0]), 1.0
-        else:
-            mean = sum(g) / len(g)
-            stats[k] = mean, math.sqrt(sum((x - mean) ** 2 for x in g) / (len(g) - 1))
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (len(g) - 1)) if len(g) > 1 else 1.0
+        stats[k] = (0.0 if singleton_mean_zero and len(g) == 1 else mean), std
     return stats
 
 
@@ -450,8 +447,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
     """(episodes: group, won, score, turns; stats). A turn: the sample (prompt ids → response ids, mask of
     policy tokens), anchor observation, r_t, p_t. keys: a global id per episode (default 0..n−1) keying its
     seeds, so an episode draws the same tokens on whichever rank plays it (or resumes it)."""
-    n, keys = len(tasks), keys or list(range(len(tasks)))
-    stats = defaultdict(float)
+    n, keys, stats = len(tasks), keys or list(range(len(tasks))), defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
         return [], stats
     obs, infos = map(list, zip(*pool.reset(tasks), strict=True))
@@ -540,10 +536,9 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
             dict(prompt=tokenizer.decode(t["prompt_ids"]), response=tokenizer.decode(t["response_ids"]),
                  **{k: t[k] for k in ("action", "observation", "reward", "valid")}) for t in ep["turns"]])
             for ep in episodes])
-        print(f"[{stage}] {'held-out' if prefix == 'eval/' else prefix[:-1]} success "
-              f"{m[prefix + 'success_rate']:.3f}  score {m[prefix + 'score']:.3f}  tokens/turn "
-              f"{m[prefix + 'tokens_per_turn']:.1f}  invalid {m[prefix + 'format_error_rate']:.2f}",
-              flush=True)
+        run.say(f"[{stage}] {'held-out' if prefix == 'eval/' else prefix[:-1]} success "
+                f"{m[prefix + 'success_rate']:.3f}  score {m[prefix + 'score']:.3f}  tokens/turn "
+                f"{m[prefix + 'tokens_per_turn']:.1f}  invalid {m[prefix + 'format_error_rate']:.2f}")
     return m
 
 
@@ -598,10 +593,9 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
     policy itself): the mean NLL of the policy's tokens (a sampled turn's TTI-forced tokens are masked)."""
     t0 = time.time()
     rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
-    source = args.cold_start_source
-    if source == "auto":
-        source = "expert" if hasattr(env, "expert_action") else "sample"
-    if source == "expert" and not hasattr(env, "expert_action"):
+    has_expert = hasattr(env, "expert_action")
+    source = args.cold_start_source.replace("auto", "expert" if has_expert else "sample")
+    if source == "expert" and not has_expert:
         raise cli.bad_flag("t2po.py", "cold_start_source", source, f"{args.env!r} has no scripted expert")
     if source == "expert":
         picks = rng.choice(len(train_tasks), min(args.cold_start_episodes, len(train_tasks)), replace=False)
