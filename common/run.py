@@ -172,6 +172,8 @@ def make_env(args, **options):
             options.pop("seed")  # TextWorld, ALFWorld: the tasks are the games
             env = registry_env(args.env, **options)
         train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
+        if hasattr(env, "prepare"):  # slow one-off work per task (TextWorld: its games), not in a timed reset
+            env.prepare(train_tasks + eval_tasks)
     except (ValueError, TypeError, ImportError, RuntimeError, OSError) as e:
         extra = f" --env-options {args.env_options!r}" if args.env_options.strip() != "{}" else ""
         raise SystemExit(f"{script}: --env {args.env!r}{extra}: {e}") from None

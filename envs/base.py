@@ -8,13 +8,16 @@ An environment maps a task to a text game:
 
 `info` keys: "instruction" (str), "won" (bool), "task_score" (float), "valid_action" (bool; False feeds
 the format penalty), "admissible_actions" (list[str], where the environment has them), "error" (str, when
-something failed). `env.tasks("train" | "eval")` lists task ids, fixed for a given seed.
+something failed). `env.tasks("train" | "eval")` lists task ids, fixed for a given seed. An env may also
+have `prepare(tasks)`: slow one-off work per task (TextWorld generates its games), which the scripts call
+before the model loads, so that a pool's timed reset does not pay it.
 """
 
 from __future__ import annotations
 
 import importlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -118,7 +121,7 @@ class EnvPool:
     """
 
     def __init__(self, name: str, n: int, step_timeout_s: float = 60.0, **options):
-        factory = _resolve(name)
+        factory, self.name = _resolve(name), name
         self.make = lambda: factory(**options)
         self.n, self.step_timeout_s = n, step_timeout_s
         # built here, in the caller's thread: an unknown name or a missing package raises at once
@@ -135,6 +138,10 @@ class EnvPool:
             except queue.Empty:
                 results[i] = ("error", f"TimeoutError: step took longer than {self.step_timeout_s}s")
                 self.workers[i] = _Worker(None, self.make)  # abandon the hung thread; fresh env next episode
+        for i, (status, payload) in sorted(results.items()):
+            if status == "error":  # the episode ends as a loss: say so, or a failure reads as a bad policy
+                print(f"WARNING: {self.name} env {i} failed, its episode ends: {payload}", file=sys.stderr,
+                      flush=True)
         return results
 
     def reset(self, tasks: list) -> list[tuple[str, dict]]:

@@ -93,6 +93,10 @@ def make_game(challenge: str, settings: dict, seed: int, path: str | None = None
     return make(settings=settings, options=options), options
 
 
+def game_path(challenge: str, level: int, seed: int, cache: str | None = None) -> str:
+    return os.path.join(cache or cache_root(), "textworld", f"{challenge}-L{level}-s{seed}", "game.z8")
+
+
 def generate_game(challenge: str, level: int, seed: int, cache: str | None = None) -> str:
     """Path of the compiled game for (challenge, level, seed), generating it on first use.
 
@@ -101,9 +105,9 @@ def generate_game(challenge: str, level: int, seed: int, cache: str | None = Non
     """
     challenge = challenge.removeprefix("tw-").replace("-", "_")
     settings = challenge_settings(challenge, level, seed)
-    root = os.path.join(cache or cache_root(), "textworld")
-    folder = os.path.join(root, f"{challenge}-L{level}-s{seed}")
-    game_file = os.path.join(folder, "game.z8")
+    game_file = game_path(challenge, level, seed, cache)
+    folder = os.path.dirname(game_file)
+    root = os.path.dirname(folder)
     if os.path.isfile(game_file):
         return game_file
 
@@ -310,6 +314,17 @@ class TextWorldEnv:
             raise ValueError(f"{self.challenge} level {self.level}: only {len(found)} {split} games of {n} "
                              f"wanted in {SCAN_FACTOR * n} seeds: too few walkthroughs to hold some out")
         return found[:n]
+
+    def prepare(self, tasks: list) -> None:
+        """Generate the games of `tasks` not yet cached, one after another. A game takes seconds of Python to
+        generate; left to the first reset, a pool's threads generate several at once under the GIL (a
+        group's copies of one game each its own) and can pass the pool's step deadline: lost episodes."""
+        missing = list(dict.fromkeys(t for t in tasks if not os.path.isfile(
+            game_path(self.challenge, self.level, int(t), self.cache))))
+        if missing:
+            print(f"TextWorld: generating {len(missing)} game(s), once (then cached)", flush=True)
+        for task in missing:
+            self.game_file(task)
 
     def game_file(self, task) -> str:
         try:

@@ -77,7 +77,7 @@ def test_pool_failed_slot_stays_done_and_recovers_next_episode():
     assert [r[1] for r in results] == [0.5, 0.5]
 
 
-def test_pool_reset_crash_is_reported_not_raised():
+def test_pool_reset_crash_is_reported_not_raised(capsys):
     class BadReset(ToyEnv):
         def reset(self, task=0):
             raise OSError("no data")
@@ -86,7 +86,26 @@ def test_pool_reset_crash_is_reported_not_raised():
     pool = EnvPool("bad-reset", 2, step_timeout_s=1.0)
     obs, info = pool.reset([0, 1])[0]
     assert "OSError: no data" in info["error"]
+    # said on stderr, once per failed episode: an episode lost to the environment is not silently a loss
+    assert capsys.readouterr().err.splitlines() == [
+        f"WARNING: bad-reset env {i} failed, its episode ends: OSError: no data" for i in (0, 1)]
     assert pool.step(["x", "x"])[1][2] is True
+    assert capsys.readouterr().err == ""  # the failed slots are not stepped again
+
+
+def test_run_make_env_prepares_every_task_before_play():
+    from common import run
+
+    prepared = []
+
+    class Prepared(ToyEnv):
+        def prepare(self, tasks):
+            prepared.append(tasks)
+
+    register("prepared", lambda **kw: Prepared(**kw))
+    args = type("Args", (), dict(env="prepared", env_options="{}", seed=0, eval_tasks=2, tasks_per_step=1))()
+    _, _, train_tasks, eval_tasks = run.make_env(args)
+    assert len(eval_tasks) == 2 and prepared == [train_tasks + eval_tasks]
 
 
 def test_play_toy_from_scripted_input():

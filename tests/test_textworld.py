@@ -338,3 +338,18 @@ def test_shipped_walkthroughs_are_the_generators_and_need_its_version(monkeypatc
     assert textworld_env.shipped_walkthroughs() == {}  # another TextWorld may generate other games
     monkeypatch.undo()
     textworld_env.shipped_walkthroughs.cache_clear()
+
+
+def test_prepare_generates_each_missing_game_once_before_play(tmp_path, capsys):
+    # games are generated before play, one at a time: left to a pool's first reset, 8 threads generating
+    # at once under the GIL on a busy 2-core machine passed the 60 s step deadline (7 of 8 episodes lost)
+    from envs.textworld_env import TextWorldEnv, game_path
+
+    env = make(level=1, cache=str(tmp_path))
+    assert isinstance(env, TextWorldEnv)
+    env.prepare([0, 0, EVAL_SEED_OFFSET])
+    assert capsys.readouterr().out == "TextWorld: generating 2 game(s), once (then cached)\n"
+    for seed in (0, EVAL_SEED_OFFSET):
+        assert os.path.isfile(game_path("coin_collector", 1, seed, str(tmp_path)))
+    env.prepare([0, EVAL_SEED_OFFSET])
+    assert capsys.readouterr().out == ""  # cached: nothing to do, nothing said
