@@ -143,7 +143,7 @@ def planned_length(args, prompts_of: Callable, response_tokens: int) -> tuple[in
     and webshop-lite prompts), + 32 chat-template tokens + the response; (tokens, that arithmetic). Where
     the env's package is not installed: 4096 prompt tokens."""
     try:
-        env, _, tasks, _ = make_env(args)
+        env, _, tasks, _ = make_env(args, prepare=False)  # the first 16 games only, not all of them
     except SystemExit as e:
         why = f"4096 prompt tokens assumed ({str(e).splitlines()[0]})"
         return 4096 + response_tokens, f"{why} + {response_tokens} response"
@@ -154,7 +154,7 @@ def planned_length(args, prompts_of: Callable, response_tokens: int) -> tuple[in
                                                    "response")
 
 
-def make_env(args, **options):
+def make_env(args, prepare: bool = True, **options):
     """(env, the options every copy of it gets, train tasks, held-out tasks). --env-options wins over the
     script's `options`; the run's seed goes to an env that takes one. A missing package or data set, an
     unknown name or option, or more tasks per step than the env has: one line, before the model loads."""
@@ -172,7 +172,7 @@ def make_env(args, **options):
             options.pop("seed")  # TextWorld, ALFWorld: the tasks are the games
             env = registry_env(args.env, **options)
         train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
-        if hasattr(env, "prepare"):  # slow one-off work per task (TextWorld: its games), not in a timed reset
+        if prepare and hasattr(env, "prepare"):  # slow one-off work per task (TextWorld: its games)
             env.prepare(train_tasks + eval_tasks)
     except (ValueError, TypeError, ImportError, RuntimeError, OSError) as e:
         extra = f" --env-options {args.env_options!r}" if args.env_options.strip() != "{}" else ""
