@@ -157,7 +157,8 @@ def planned_length(args, prompts_of: Callable, response_tokens: int) -> tuple[in
 def make_env(args, prepare: bool = True, **options):
     """(env, the options every copy of it gets, train tasks, held-out tasks). --env-options wins over the
     script's `options`; the run's seed goes to an env that takes one. A missing package or data set, an
-    unknown name or option, or more tasks per step than the env has: one line, before the model loads."""
+    unknown name or option, or more tasks per step than the env has: one line, before the model loads.
+    prepare: the env's one-off work per task (TextWorld generates its games) now, not in a timed reset."""
     script = script_name(args)
     try:
         given = json.loads(args.env_options)
@@ -172,7 +173,7 @@ def make_env(args, prepare: bool = True, **options):
             options.pop("seed")  # TextWorld, ALFWorld: the tasks are the games
             env = registry_env(args.env, **options)
         train_tasks, eval_tasks = env.tasks("train"), env.tasks("eval")[:args.eval_tasks]
-        if prepare and hasattr(env, "prepare"):  # slow one-off work per task (TextWorld: its games)
+        if prepare and hasattr(env, "prepare"):
             env.prepare(train_tasks + eval_tasks)
     except (ValueError, TypeError, ImportError, RuntimeError, OSError) as e:
         extra = f" --env-options {args.env_options!r}" if args.env_options.strip() != "{}" else ""
