@@ -517,19 +517,19 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
     out = {"rollouts": len(rows), "success_rate": float(np.mean(won)), "score": float(np.mean(score)),
            "reward_mean": float(np.mean(reward)), "turns_per_episode": stats["turns"] / max(1, len(rows)),
            "tokens_per_turn": stats["tokens"] / turns, "think_tokens_per_turn": stats["think_tokens"] / turns,
-           "tti_interventions": stats["tti_interventions"] / turns,
-           "tti_wasted_tokens": stats["tti_wasted_tokens"], "tds_resamples": stats["tds_resamples"],
-           "format_error_rate": stats["invalid"] / turns}
+           "tti_interventions": stats["tti_interventions"] / turns, "tds_resamples": stats["tds_resamples"],
+           "tti_wasted_tokens": stats["tti_wasted_tokens"], "format_error_rate": stats["invalid"] / turns}
     return {prefix + k: v for k, v in out.items()}
 
 
 def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int, stage: str = "",
              prefix: str = "eval/") -> dict:
     """Held-out (or probe/) episodes, one per task; TTI on (it is part of inference), TDS off (training)."""
+    t0 = time.time()
     episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args, step=step,
                               train=False, temperature=args.eval_temperature, top_p=args.eval_top_p,
                               top_k=args.eval_top_k)
-    m = summarise(episodes, stats, prefix=prefix)
+    m = {**summarise(episodes, stats, prefix=prefix), prefix + "time_s": time.time() - t0}
     if stage:  # the episodes as text (prompt, response, action, observation, reward per turn)
         run.write_transcripts(args, stage, [dict(task=ep["task"], won=ep["won"], score=ep["score"],
                                                  reward=sum(t["reward"] for t in ep["turns"]), turns=[
