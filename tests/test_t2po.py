@@ -597,7 +597,8 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
 
 def test_probe_tasks_are_the_first_training_tasks_played_after_the_cold_start_and_every_step(tmp_path):
     """--probe-tasks N: the first N training tasks, played greedily like the held-out ones, at step 0 (before
-    RL) and after every RL step, logged as probe/ and written as transcripts; the held-out keys stay apart."""
+    RL) and after every RL step, logged as probe/ and written as transcripts; the held-out keys stay apart.
+    Each evaluation logs its seconds."""
     import json
 
     out = str(tmp_path / "run")
@@ -608,6 +609,7 @@ def test_probe_tasks_are_the_first_training_tasks_played_after_the_cold_start_an
     probed = [(line["step"], line["probe/rollouts"]) for line in lines if "probe/success_rate" in line]
     assert probed == [(0, 2), (1, 2), (2, 2)]
     assert [line["eval/rollouts"] for line in lines if "eval/rollouts" in line] == [1, 1]  # its own keys
+    assert all(row[p + "time_s"] > 0 for p in ("eval/", "probe/") for row in lines if p + "rollouts" in row)
     for step in range(3):
         episodes = [json.loads(line) for line in open(f"{out}/transcripts/probe_step_{step}.jsonl")]
         assert [ep["task"] for ep in episodes] == [0, 1]  # the toy env's first two training tasks
