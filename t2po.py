@@ -63,9 +63,9 @@ class Args(RunArgs):
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
     eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95", gt=0, le=1)
     eval_top_k: int = opt("run", 0, "paper's val sampling: 20", ge=0)
+    base_eval: bool = opt("run", True, "held-out evaluation of --model before training (greedy: seed-free)")
     probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones after the "
-                           "cold start and every RL step: a curve of learning, not of the step's task draw "
-                           "(ours)", ge=0)
+                           "cold start and each RL step: a learning curve, not the step's draw (ours)", ge=0)
     # uncertainty signal M_t (paper Sec. 3.1); alpha and j are not published: ours
     alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)", ge=0, le=1)
     top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)", ge=1)
@@ -142,6 +142,8 @@ def check_args(args: Args) -> None:
     """Rules between flags (each flag's own bounds are declared with it), and the paper presets' warning."""
     if 0 < args.dual_clip <= 1:
         raise cli.bad_flag("t2po.py", "dual_clip", args.dual_clip, "must be > 1 (or 0 = off)")
+    if not (args.base_eval or args.cold_start):
+        raise SystemExit("t2po.py: --no-base-eval needs the cold start: else nothing is evaluated before RL")
     if args.expert_thoughts == "long" and args.env != "textworld":
         raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts quote "
                            f"TextWorld's task sentences, which --env {args.env!r} does not have")
@@ -166,8 +168,7 @@ def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: st
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
                     for i, (o, a) in enumerate(shown))
-    if lines:
-        lines = f"Your last {len(shown)} of {len(history)} steps:\n{lines}"
+    lines = f"Your last {len(shown)} of {len(history)} steps:\n{lines}" if lines else ""
     actions = ", ".join(f"'{a}'" for a in admissible) if admissible else "any text command"
     return TURN_TEMPLATE.format(task=task, history=lines, step=len(history) + 1,
                                 observation=observation[:max_obs_chars], actions=actions)
@@ -483,8 +484,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         acting = dict(zip(active, (action for action, _ in parsed), strict=True))
         results = pool.step([acting.get(i) for i in range(n)])  # None: the episode is over
         for j, i in enumerate(active):
-            next_obs, env_reward, env_done, info = results[i]
-            action, valid = parsed[j]
+            (next_obs, env_reward, env_done, info), (action, valid) = results[i], parsed[j]
             won = bool(info.get("won", False))
             outcome = won if args.reward == "success" else float(env_reward)
             reward = args.success_reward * outcome if env_done else 0.0
@@ -798,7 +798,7 @@ def main(argv: list[str] | None = None) -> dict:
     probe = lambda step: run.on_main(lambda: evaluate(  # fixed training tasks: a learning curve
         r.generator, r.tokenizer, probe_pool, train_tasks[:args.probe_tasks], args, step,
         f"probe step {step}", prefix="probe/")) if args.probe_tasks else {}
-    if "base" not in r.extra:  # a resumed run has done these
+    if not r.extra and args.base_eval:  # a resumed run has done (or skipped) these
         r.extra["base"] = held_out("base", 0)
         r.logger.log({"step": 0, **r.extra["base"], **({} if args.cold_start else probe(0))})
     if args.cold_start and "cold_start" not in r.extra:

@@ -635,6 +635,26 @@ def test_the_kl_reference_is_the_cold_started_policy_also_after_resume(tmp_path)
     assert len(kls) == 2 and max(kls) < 1e-9, kls
 
 
+def test_no_base_eval_plays_the_held_out_tasks_after_the_cold_start_and_rl_also_on_resume(tmp_path, capsys):
+    """--no-base-eval (a seeds study: the base model's greedy evaluation is the same in every seed): no base
+    row, transcript or count; the cold start's and RL's evaluations stay. A resume that omits the flag does
+    not evaluate its restored (trained) policy as the base model. Without the cold start it is refused."""
+    with pytest.raises(SystemExit, match="--no-base-eval needs the cold start"):
+        t2po.main(["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--no-base-eval"])
+    out = str(tmp_path / "run")
+    argv = ["--env", "webshop-lite", "--model", "tiny-random", "--cold-start-episodes", "2",
+            "--group-size", "2", "--tasks-per-step", "1", "--max-turns", "3", "--max-new-tokens", "8",
+            "--tti-chunk", "8", "--eval-tasks", "1", "--threads", "1", "--save-every", "1", "--out", out]
+    t2po.main(argv + ["--steps", "1", "--no-base-eval"])
+    t2po.main(argv + ["--steps", "2", "--resume"])
+    lines = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert [line["step"] for line in lines if "eval/rollouts" in line] == [1, 2]  # RL's: no base row
+    assert sum("eval_cold_start/rollouts" in line for line in lines) == 1
+    assert sorted(os.listdir(f"{out}/transcripts")) == ["cold_start.jsonl", "rl.jsonl"]
+    counts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("held-out success")]
+    assert len(counts) == 2 and all(line.split(": ")[1].startswith("cold_start ") for line in counts), counts
+
+
 @pytest.mark.slow
 def test_torchrun_eight_ranks_end_to_end_then_resume_across_world_sizes(tmp_path):
     """`torchrun --nproc-per-node 8 t2po.py` on the tiny model (issue 26): 3 groups on 8 ranks (5 without
