@@ -61,7 +61,11 @@ ARMS = {
              "t1-lr5e-6": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6"],
              # more groups with a signal at the same cost: 4 tasks x 4 rollouts, a step between the two
              "t1-4x4-lr1e-5": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "1e-5",
-                               "--tasks-per-step", "4", "--group-size", "4"]},
+                               "--tasks-per-step", "4", "--group-size", "4"],
+             # the same, from a smaller cold start (4 expert episodes, not 12): room for RL to add
+             "t1-4x4-lr1e-5-cs4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "1e-5",
+                                   "--tasks-per-step", "4", "--group-size", "4",
+                                   "--cold-start-episodes", "4"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
