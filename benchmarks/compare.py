@@ -309,6 +309,8 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
             mean, half, _ = np.array([interval(by_step[s]) for s in steps]).T
             ax.plot(steps, mean, marker=".", color=f"C{i}", label=f"{arm} (n={len(runs[arm])})")
             ax.fill_between(steps, mean - half, mean + half, color=f"C{i}", alpha=0.2)  # nan: no band
+        if key.endswith("success_rate"):  # a rate: a few seeds' t band would otherwise set the scale
+            ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"training {key}", fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.get_major_locator().set_params(integer=True)
