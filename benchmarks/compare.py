@@ -65,6 +65,11 @@ ARMS = {
              # the same, from a smaller cold start (4 expert episodes, not 12): room for RL to add
              "t1-4x4-lr1e-5-cs4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "1e-5",
                                    "--tasks-per-step", "4", "--group-size", "4",
+                                   "--cold-start-episodes", "4"],
+             # a smaller first step: Adam's first update moves every weight by ~lr whatever the
+             # advantages' scale, and at 1e-5 one lucky win with a junk turn broke the format (seed 0)
+             "t1-4x4-lr2e-6-cs4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "2e-6",
+                                   "--tasks-per-step", "4", "--group-size", "4",
                                    "--cold-start-episodes", "4"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
