@@ -1,0 +1,107 @@
+"""Replay one RL step of a finished t2po.py run from its checkpoint, at several learning rates, and show what
+greedy decoding answers after each update: which step size breaks the policy, and on which episodes.
+
+    python benchmarks/replay_step.py RUN --step 0 --lrs 0,1e-5,5e-6,2e-6
+
+RUN is a t2po.py run folder holding checkpoints/step_<step> (a run saves step 0, after its cold start). The
+step's rollout is drawn as the run drew it (same seed, same tasks), so its loss and grad_norm match the run's
+metrics.jsonl line for step+1. Then, from the same weights and optimizer state each time, one update at each
+lr, and plain greedy answers (no TTI) to --prompts of the step's turn prompts. The run folder is only read:
+the replay resumes from a copy in a temporary folder.
+"""
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import t2po  # noqa: E402
+from common import dist, run  # noqa: E402
+
+
+def replay_args(run_dir: str, out: str, threads: int) -> t2po.Args:
+    """The run's own Args (its args.json), resuming from `out`."""
+    with open(os.path.join(run_dir, "args.json")) as f:
+        saved = json.load(f)
+    names = {f.name for f in dataclasses.fields(t2po.Args)}
+    args = t2po.Args(**{k: v for k, v in saved.items() if k in names})
+    args.out, args.resume, args.threads = out, True, threads
+    torch.set_num_threads(threads)
+    return args
+
+
+def greedy_answers(r, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+    answers = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = r.model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                                   pad_token_id=r.tokenizer.eos_token_id)
+            answers.append(r.tokenizer.decode(ids[0, len(p):], skip_special_tokens=True))
+    return answers
+
+
+def main(argv: list[str] | None = None) -> dict[float, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a t2po.py run folder with checkpoints/step_<step>")
+    parser.add_argument("--step", type=int, default=0, help="the checkpoint to start from (replays step+1)")
+    parser.add_argument("--lrs", default="0,1e-5", help="comma-separated learning rates, one update each")
+    parser.add_argument("--prompts", type=int, default=8, help="turn prompts of the step to answer greedily")
+    parser.add_argument("--threads", type=int, default=1)
+    a = parser.parse_args(argv)
+    ckpt = os.path.join(a.run_dir, "checkpoints", f"step_{a.step}")
+    if not os.path.isdir(ckpt):
+        raise SystemExit(f"replay_step.py: no checkpoint {ckpt}")
+    lrs = [float(x) for x in a.lrs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(ckpt, os.path.join(tmp, "checkpoints", f"step_{a.step}"))
+        shutil.copy(os.path.join(a.run_dir, "args.json"), tmp)
+        args = replay_args(a.run_dir, tmp, a.threads)
+        _, _, train_tasks, _, my_groups, pool, _ = t2po.build_envs(args)
+        r = run.setup(args, desc="replay")
+        step = a.step  # as t2po.main draws it
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_tasks), args.tasks_per_step,
+                                                                 replace=False)
+        ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]
+        groups = [i // args.group_size for i in ids]
+        tasks = [train_tasks[picks[g]] for g in groups]
+        episodes, _ = t2po.rollout(r.generator, r.tokenizer, pool, tasks, groups, args, step=step, train=True,
+                                   temperature=args.temperature, keys=ids)
+        advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight,
+                                           args.std_normalize, args.step_similarity)
+        print(f"step {step + 1}: each episode's turns, the action as written and its advantage")
+        for ep, adv in zip(episodes, advantages, strict=True):
+            turns = [(r.tokenizer.decode(t["response_ids"]).rsplit("</think>", 1)[-1].strip(), round(x, 2))
+                     for t, x in zip(ep["turns"], adv, strict=True)]
+            print(f"  won={ep['won']!s:5} {turns}")
+        samples = t2po.turn_samples(episodes, advantages)
+        prompts = [s["prompt_ids"] for s in samples[::max(1, len(samples) // a.prompts)]][:a.prompts]
+        results = {}
+        weights, opt_state = copy.deepcopy(r.model.state_dict()), copy.deepcopy(r.optimizer.state_dict())
+        for lr in lrs:
+            r.model.load_state_dict(weights)
+            r.optimizer.load_state_dict(opt_state)
+            for group in r.optimizer.param_groups:
+                group["lr"] = lr
+            update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])
+            with run.precision(args):
+                result = t2po.update(r.policy, r.optimizer, [dict(s) for s in samples], args, update_rng,
+                                     r.reference)
+            results[lr] = result
+            answers = greedy_answers(r, prompts, args.max_new_tokens)
+            print(f"lr {lr:g}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+            for x in answers:
+                action, valid = t2po.parse_response(x)
+                print(f"    {x[-70:]!r} -> {action!r}{'' if valid else ' (malformed)'}")
+        r.logger.close()
+    return results
+
+
+if __name__ == "__main__":
+    main()
