@@ -27,9 +27,12 @@ from common import dist, run  # noqa: E402
 
 
 def replay_args(run_dir: str, out: str, threads: int) -> t2po.Args:
-    """The run's own Args (its args.json), resuming from `out`."""
+    """The run's own Args (its args.json), resuming from `out` (whose args.json gets the new --threads, which
+    --resume would otherwise refuse as a changed arg)."""
     with open(os.path.join(run_dir, "args.json")) as f:
         saved = json.load(f)
+    with open(os.path.join(out, "args.json"), "w") as f:
+        json.dump({**saved, "threads": threads}, f, indent=2)
     names = {f.name for f in dataclasses.fields(t2po.Args)}
     args = t2po.Args(**{k: v for k, v in saved.items() if k in names})
     args.out, args.resume, args.threads = out, True, threads
@@ -61,7 +64,6 @@ def main(argv: list[str] | None = None) -> dict[float, dict]:
     lrs = [float(x) for x in a.lrs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ckpt, os.path.join(tmp, "checkpoints", f"step_{a.step}"))
-        shutil.copy(os.path.join(a.run_dir, "args.json"), tmp)
         args = replay_args(a.run_dir, tmp, a.threads)
         _, _, train_tasks, _, my_groups, pool, _ = t2po.build_envs(args)
         r = run.setup(args, desc="replay")
