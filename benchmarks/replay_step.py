@@ -28,7 +28,7 @@ from common import dist, run  # noqa: E402
 
 def replay_args(run_dir: str, out: str, threads: int) -> t2po.Args:
     """The run's own Args (its args.json), resuming from `out` (whose args.json gets the new --threads, which
-    --resume would otherwise refuse as a changed arg)."""
+    --resume would otherwise report as a changed arg)."""
     with open(os.path.join(run_dir, "args.json")) as f:
         saved = json.load(f)
     with open(os.path.join(out, "args.json"), "w") as f:
