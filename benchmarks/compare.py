@@ -70,7 +70,12 @@ ARMS = {
              # advantages' scale, and at 1e-5 one lucky win with a junk turn broke the format (seed 0)
              "t1-4x4-lr2e-6-cs4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "2e-6",
                                    "--tasks-per-step", "4", "--group-size", "4",
-                                   "--cold-start-episodes", "4"]},
+                                   "--cold-start-episodes", "4"],
+             # level 4's solutions are 4 commands: with 4 turns no winning episode holds a junk turn, the
+             # turns that RL reinforced into the empty and `</action` answers at 5 turns (seed 0)
+             "t1-4x4-lr5e-6-cs4-mt4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6",
+                                       "--tasks-per-step", "4", "--group-size", "4",
+                                       "--cold-start-episodes", "4", "--max-turns", "4"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
