@@ -56,8 +56,8 @@ EVAL_SEED_OFFSET = 1_000_000  # eval seeds start here, so the two splits never s
 HOLDOUT_MODULUS = 4  # holdout="walkthrough": about 1 walkthrough in 4 is held out
 SCAN_FACTOR = 6  # holdout="walkthrough": seeds scanned per task wanted (~0.4 s each, then cached)
 MAX_ACTION_CHARS = 200  # the longest admissible TextWorld command is far shorter
-# walkthroughs of the seeds the default run scans, shipped so that a first run does not spend a minute
-# generating them (written by `--ship`, checked against the generator by tests/test_textworld.py)
+# walkthroughs of the seeds the default run and the level-4 study scan, shipped so that a first run does
+# not spend minutes generating them (written by `--ship`, checked against the generator by test_textworld)
 SHIPPED_WALKTHROUGHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "textworld_walkthroughs.json")
 
 

@@ -304,8 +304,13 @@ def test_demo_held_out_games_have_walkthroughs_never_seen_in_training():
     env.close()
 
 
-def test_the_default_runs_scan_needs_no_generation(tmp_path, monkeypatch):
-    # make demo's first run reads the walkthroughs of every seed it scans from the shipped table
+LEVEL4_STUDY = {"level": 4, "train_games": 16, "eval_games": 32, "holdout": "walkthrough"}  # results/t2po.md
+
+
+@pytest.mark.parametrize("study", ["default", "level 4"])
+def test_the_default_runs_scan_needs_no_generation(tmp_path, monkeypatch, study):
+    # make demo's first run (and the level-4 study's) reads the walkthroughs of every seed it scans from
+    # the shipped table
     import t2po
     from envs import textworld_env
 
@@ -313,7 +318,7 @@ def test_the_default_runs_scan_needs_no_generation(tmp_path, monkeypatch):
         raise AssertionError("a walkthrough was generated")
 
     monkeypatch.setattr(textworld_env, "make_game", no_generation)
-    options = json.loads(t2po.PRESETS["textworld"]["env_options"])
+    options = json.loads(t2po.PRESETS["textworld"]["env_options"]) if study == "default" else LEVEL4_STUDY
     env = make(**options, cache=str(tmp_path))  # an empty cache
     assert len(env.tasks("train")) == options["train_games"]
     assert len(env.tasks("eval")) == options["eval_games"]
@@ -326,8 +331,8 @@ def test_shipped_walkthroughs_are_the_generators_and_need_its_version(monkeypatc
 
     shipped = textworld_env.shipped_walkthroughs()
     keys = sorted(shipped)
-    assert len(keys) >= 144
-    for key in keys[::12]:  # a sample across both splits: generating one takes ~0.4 s
+    assert len(keys) >= 144 + 288
+    for key in keys[::len(keys) // 12]:  # 12 across both splits and levels: generating one takes ~0.4 s
         challenge, level, seed = key.rsplit("-", 2)
         level, seed = int(level.removeprefix("L")), int(seed.removeprefix("s"))
         settings = textworld_env.challenge_settings(challenge, level, seed)
