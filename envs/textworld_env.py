@@ -26,6 +26,8 @@ was. This also protects the Z-machine, which hangs on some binary input.
 """
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -95,6 +97,30 @@ def make_game(challenge: str, settings: dict, seed: int, path: str | None = None
 
 def game_path(challenge: str, level: int, seed: int, cache: str | None = None) -> str:
     return os.path.join(cache or cache_root(), "textworld", f"{challenge}-L{level}-s{seed}", "game.z8")
+
+
+@contextlib.contextmanager
+def cache_lock(cache: str | None = None):
+    """Hold the game cache's lock file: one process at a time generates into it (torchrun's ranks, runs
+    side by side), the others wait and then find the games made, instead of each compiling all of them.
+    The OS drops the lock when its holder dies. A cache it cannot open for locking: no lock (generation is
+    safe without one, see generate_game; the lock only saves the repeated work)."""
+    root = os.path.join(cache or cache_root(), "textworld")
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(os.path.join(root, ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"TextWorld: waiting for another process generating games into {root}", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def generate_game(challenge: str, level: int, seed: int, cache: str | None = None) -> str:
@@ -318,13 +344,20 @@ class TextWorldEnv:
     def prepare(self, tasks: list) -> None:
         """Generate the games of `tasks` not yet cached, one after another. A game takes seconds of Python to
         generate; left to the first reset, a pool's threads generate several at once under the GIL (a
-        group's copies of one game each its own) and can pass the pool's step deadline: lost episodes."""
-        missing = list(dict.fromkeys(t for t in tasks if not os.path.isfile(
-            game_path(self.challenge, self.level, int(t), self.cache))))
-        if missing:
-            print(f"TextWorld: generating {len(missing)} game(s), once (then cached)", flush=True)
-        for task in missing:
-            self.game_file(task)
+        group's copies of one game each its own) and can pass the pool's step deadline: lost episodes.
+        Under the cache's lock: another process generating the same games is waited for, not repeated."""
+        def missing() -> list:
+            return list(dict.fromkeys(t for t in tasks if not os.path.isfile(
+                game_path(self.challenge, self.level, int(t), self.cache))))
+
+        if not missing():
+            return
+        with cache_lock(self.cache):
+            todo = missing()  # what the process that held the lock left
+            if todo:
+                print(f"TextWorld: generating {len(todo)} game(s), once (then cached)", flush=True)
+            for task in todo:
+                self.game_file(task)
 
     def game_file(self, task) -> str:
         try:

@@ -358,3 +358,22 @@ def test_prepare_generates_each_missing_game_once_before_play(tmp_path, capsys):
         assert os.path.isfile(game_path("coin_collector", 1, seed, str(tmp_path)))
     env.prepare([0, EVAL_SEED_OFFSET])
     assert capsys.readouterr().out == ""  # cached: nothing to do, nothing said
+
+
+def test_prepare_waits_for_the_process_generating_into_the_cache(tmp_path):
+    # torchrun's ranks (or runs side by side) share one cache: while one holds its lock, another waits and
+    # then finds the game made, instead of compiling it again
+    from envs.textworld_env import cache_lock, game_path, generate_game
+
+    code = ("import sys; from envs.textworld_env import TextWorldEnv; "
+            "TextWorldEnv(level=1, cache=sys.argv[1]).prepare([0]); print('done', flush=True)")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    with cache_lock(str(tmp_path)):
+        other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        first = other.stdout.readline()  # blocks until it says something: without the lock, "generating"
+        assert first.startswith("TextWorld: waiting for another process"), first
+        generate_game("coin_collector", 1, 0, str(tmp_path))
+    rest, _ = other.communicate(timeout=120)
+    assert other.returncode == 0 and rest == "done\n", rest  # it found the game: nothing generated
+    assert os.path.isfile(game_path("coin_collector", 1, 0, str(tmp_path)))
