@@ -88,16 +88,14 @@ class Args(RunArgs):
                                      "invalid too (official ALFWorld projection; on in the alfworld preset)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
-    std_normalize: bool = opt("algorithm", False, "divide advantages by the group std (verl-agent's "
-                              "mean_std_norm)")
+    std_normalize: bool = opt("algorithm", False, "divide advantages by the group std (mean_std_norm)")
     step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib similarity ratio "
                                  "≥ this (1 = identical text; the search preset: 0.9, verl-agent's "
                                  "enable_similarity)", gt=0, le=1)
     clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
     dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| per token "
                            "(verl's actor clip_ratio_c, 3.0); 0 = off", ge=0)
-    minibatch_size: int = opt("optimisation", 32, "turn samples per optimizer step (verl's "
-                              "ppo_mini_batch_size)", ge=1)
+    minibatch_size: int = opt("optimisation", 32, "turns per optimizer step (ppo_mini_batch_size)", ge=1)
     cold_start_source: Literal["auto", "expert", "sample"] = opt(
         "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where it has "
         "one (auto), else rejection sampling from the policy (sample)")
@@ -494,7 +492,8 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                 action=action, observation=next_obs))
             for key, x in dict(turns=1, tokens=len(outs[j]["ids"]), think_tokens=outs[j]["think_tokens"],
                                tti_interventions=outs[j]["intervened"], tti_wasted_tokens=outs[j]["wasted"],
-                               tds_resamples=resamples[j], invalid=not valid).items():
+                               tds_resamples=resamples[j], invalid=not valid,
+                               inadmissible=not info.get("valid_action", True)).items():
                 stats[key] += x
             history[i].append((obs[i], action))
             obs[i], infos[i], prev_out[i] = next_obs, info, outs[j]
@@ -518,7 +517,8 @@ def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool 
            "reward_mean": float(np.mean(reward)), "turns_per_episode": stats["turns"] / max(1, len(rows)),
            "tokens_per_turn": stats["tokens"] / turns, "think_tokens_per_turn": stats["think_tokens"] / turns,
            "tti_interventions": stats["tti_interventions"] / turns, "tds_resamples": stats["tds_resamples"],
-           "tti_wasted_tokens": stats["tti_wasted_tokens"], "format_error_rate": stats["invalid"] / turns}
+           "tti_wasted_tokens": stats["tti_wasted_tokens"], "format_error_rate": stats["invalid"] / turns,
+           "inadmissible_rate": stats["inadmissible"] / turns}
     return {prefix + k: v for k, v in out.items()}
 
 

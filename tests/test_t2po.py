@@ -585,6 +585,7 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
         assert all(key in line for key in TRAIN_KEYS)
         assert line["tds_resamples"] == 4 * 1 * 2  # 4 episodes × 1 turn with k > 0 × B_max
         assert line["format_error_rate"] == 1.0 and line["num_tokens"] > 0
+        assert line["inadmissible_rate"] == 0.0  # the toy env plays any text: ill-formed, yet acted on
     assert summary["base"]["eval/tds_resamples"] == 0 and summary["rl"]["eval/tds_resamples"] == 0
     assert lines[-1]["step"] == 2 and "eval/success_rate" in lines[-1]
 
@@ -593,6 +594,21 @@ def test_end_to_end_on_the_toy_env_with_resume(tmp_path):
     train = [line for line in lines if "reward_mean" in line]
     assert [line["step"] for line in train] == [1, 2, 3]
     assert "eval/success_rate" in summary["rl"]
+
+
+def test_inadmissible_rate_counts_the_turns_the_env_refused(tmp_path):
+    """inadmissible_rate: turns whose action the env refused (nothing happened), which format_error_rate
+    does not see where an answer is well formed but holds no command (`<action></action>`). The random
+    model's text is never a webshop-lite command; the toy env above plays any text (rate 0 there)."""
+    import json
+
+    out = str(tmp_path / "run")
+    t2po.main(["--env", "webshop-lite", "--model", "tiny-random", "--no-cold-start", "--group-size", "2",
+               "--tasks-per-step", "1", "--max-turns", "2", "--max-new-tokens", "8", "--tti-chunk", "8",
+               "--eval-tasks", "1", "--threads", "1", "--steps", "1", "--out", out])
+    lines = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert [row["inadmissible_rate"] for row in lines if "inadmissible_rate" in row] == [1.0]
+    assert [row["eval/inadmissible_rate"] for row in lines if "eval/inadmissible_rate" in row] == [1.0, 1.0]
 
 
 def test_probe_tasks_are_the_first_training_tasks_played_after_the_cold_start_and_every_step(tmp_path):
