@@ -334,7 +334,8 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
             ax.errorbar(i + dx, mean, yerr=0 if math.isnan(half) else half, marker=marker, capsize=4,
                         color=f"C{i}", label=label if i == 0 else None)
             ax.plot([i + dx] * len(values), values, ".", color="grey", alpha=0.6)  # each seed
-    ax.set_xticks(range(len(arms)), arms)
+    crowded = len(arms) > 3  # long arm names would overlap
+    ax.set_xticks(range(len(arms)), arms, rotation=12 if crowded else 0, fontsize=8 if crowded else None)
     ax.set_xlim(-0.5, len(arms) - 0.5)
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("held-out success (mean, 95% interval; dots: seeds)", fontsize=10)
