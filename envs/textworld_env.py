@@ -110,6 +110,8 @@ def cache_lock(cache: str | None = None):
         os.makedirs(root, exist_ok=True)
         fd = os.open(os.path.join(root, ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
+        fd = None  # yielding here would chain the body's errors to this one
+    if fd is None:
         yield
         return
     try:
