@@ -49,6 +49,9 @@ sys.path.insert(0, ROOT)
 
 from common.plot import probe_series, read_metrics, train_series  # noqa: E402
 
+# the level-4 arm at 4 turns and lr 5e-6, which the arms after it vary by one flag each
+LEVEL4_MT4 = ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6", "--tasks-per-step", "4",
+              "--group-size", "4", "--cold-start-episodes", "4", "--max-turns", "4"]
 # arm name -> the flags that make it; the first arm is the paper's method, the others its baselines
 ARMS = {
     "t2po": {"t2po": [], "gigpo": ["--no-tti", "--no-tds"]},
@@ -73,20 +76,13 @@ ARMS = {
                                    "--cold-start-episodes", "4"],
              # level 4's solutions are 4 commands: with 4 turns no winning episode holds a junk turn, the
              # turns that RL reinforced into the empty and `</action` answers at 5 turns (seed 0)
-             "t1-4x4-lr5e-6-cs4-mt4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6",
-                                       "--tasks-per-step", "4", "--group-size", "4",
-                                       "--cold-start-episodes", "4", "--max-turns", "4"],
+             "t1-4x4-lr5e-6-cs4-mt4": LEVEL4_MT4,
              # the same for 8 steps, not 4: in 4 steps of 16 episodes half the seeds barely moved
-             "t1-4x4-lr5e-6-cs4-mt4-st8": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6",
-                                           "--tasks-per-step", "4", "--group-size", "4",
-                                           "--cold-start-episodes", "4", "--max-turns", "4", "--steps", "8"],
+             "t1-4x4-lr5e-6-cs4-mt4-st8": [*LEVEL4_MT4, "--steps", "8"],
              # a step without a win has only the format penalty's advantages, and they favoured the empty
              # action `<action></action>` (well-formed, refused by the game) until every turn was one (st8,
              # seed 0); the official ALFWorld projection, TextWorld's kin, counts a refused action invalid
-             "t1-4x4-lr5e-6-cs4-mt4-inv": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6",
-                                           "--tasks-per-step", "4", "--group-size", "4",
-                                           "--cold-start-episodes", "4", "--max-turns", "4",
-                                           "--inadmissible-invalid"]},
+             "t1-4x4-lr5e-6-cs4-mt4-inv": [*LEVEL4_MT4, "--inadmissible-invalid"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
