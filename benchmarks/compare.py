@@ -84,7 +84,7 @@ ARMS = {
              # seed 0); the official ALFWorld projection, TextWorld's kin, counts a refused action invalid
              "t1-4x4-lr5e-6-cs4-mt4-inv": [*LEVEL4_MT4, "--inadmissible-invalid"],
              # the same trained in fp32 on any CPU: on one with AVX512-BF16, `--autocast auto`'s bf16 RFT
-             # fitted its 16 expert turns worse, and held-out cold starts were weaker in 9 of 10 seeds (equal in 1)
+             # fitted its 16 expert turns worse, and its held-out cold starts were weaker in 9 of 10 seeds
              "t1-4x4-lr5e-6-cs4-mt4-inv-fp32": [*LEVEL4_MT4, "--inadmissible-invalid", "--autocast", "off"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
