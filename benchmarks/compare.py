@@ -40,6 +40,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections import defaultdict
 
 import numpy as np
@@ -353,7 +354,8 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
     ax.legend(fontsize=8)
     axes[0].legend(fontsize=8)
     versus = f" vs {', '.join(arms[1:])}" if arms[1:] else ""  # one arm alone: no "vs"
-    fig.suptitle(f"{algo}: {arms[0]}{versus}, mean over seeds with 95% t intervals")
+    title = f"{algo}: {arms[0]}{versus}, mean over seeds with 95% t intervals"
+    fig.suptitle(textwrap.fill(title, 160))  # many arms: wrapped, not cut at the figure's edge
     fig.text(0.01, 0.01, footer, fontsize=8, color="grey")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=100)
