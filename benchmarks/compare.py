@@ -86,7 +86,11 @@ ARMS = {
              "t1-4x4-lr5e-6-cs4-mt4-inv": [*LEVEL4_MT4, "--inadmissible-invalid"],
              # the same trained in fp32 on any CPU: on one with AVX512-BF16, `--autocast auto`'s bf16 RFT
              # fitted its 16 expert turns worse, and its held-out cold starts were weaker in 9 of 10 seeds
-             "t1-4x4-lr5e-6-cs4-mt4-inv-fp32": [*LEVEL4_MT4, "--inadmissible-invalid", "--autocast", "off"]},
+             "t1-4x4-lr5e-6-cs4-mt4-inv-fp32": [*LEVEL4_MT4, "--inadmissible-invalid", "--autocast", "off"],
+             # arm inv for 8 steps: its steps without a win (a quarter of them) carry no signal, so its
+             # per-seed gains ranged -3 to +21; no probe, whose 9 evaluations would cost ~12 min a run
+             "t1-4x4-lr5e-6-cs4-mt4-inv-st8": [*LEVEL4_MT4, "--inadmissible-invalid", "--steps", "8",
+                                               "--probe-tasks", "0"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
