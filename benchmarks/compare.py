@@ -51,8 +51,9 @@ sys.path.insert(0, ROOT)
 from common.plot import probe_series, read_metrics, train_series  # noqa: E402
 
 # the level-4 arm at 4 turns and lr 5e-6, which the arms after it vary by one flag each
-LEVEL4_MT4 = ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6", "--tasks-per-step", "4",
-              "--group-size", "4", "--cold-start-episodes", "4", "--max-turns", "4"]
+LEVEL4 = ["--temperature", "1.0", "--lr", "5e-6", "--tasks-per-step", "4", "--group-size", "4",
+          "--cold-start-episodes", "4", "--max-turns", "4"]
+LEVEL4_MT4 = ["--probe-tasks", "8", *LEVEL4]
 # arm name -> the flags that make it; the first arm is the paper's method, the others its baselines
 ARMS = {
     "t2po": {"t2po": [], "gigpo": ["--no-tti", "--no-tds"]},
@@ -89,8 +90,7 @@ ARMS = {
              "t1-4x4-lr5e-6-cs4-mt4-inv-fp32": [*LEVEL4_MT4, "--inadmissible-invalid", "--autocast", "off"],
              # arm inv for 8 steps: its steps without a win (a quarter of them) carry no signal, so its
              # per-seed gains ranged -3 to +21; no probe, whose 9 evaluations would cost ~12 min a run
-             "t1-4x4-lr5e-6-cs4-mt4-inv-st8": [*LEVEL4_MT4, "--inadmissible-invalid", "--steps", "8",
-                                               "--probe-tasks", "0"]},
+             "t1-4x4-lr5e-6-cs4-mt4-inv-st8": [*LEVEL4, "--inadmissible-invalid", "--steps", "8"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
 
