@@ -25,9 +25,8 @@ success before and after RL per arm, with the command and the commit in the foot
 
 `demo` is not a paper's claim but the default run's (`python t2po.py`, what `make demo` plays): does RL add
 to the cold start? Its arms are the run with a probe set of 8 training tasks (`--probe-tasks 8`; it does
-not change training), a no-update control (`--lr 0`: the same rollouts, no weight moves) and two smaller
-steps (`--lr 5e-6`, also at the paper's `--temperature 1.0`) and, at T 1.0, 4 tasks x 4 rollouts a step
-at `--lr 1e-5` (the same 16 episodes, more groups that can differ); the table shows the arms that ran. It
+not change training), a no-update control (`--lr 0`: the same rollouts, no weight moves), and the level-4
+setting (with `--env-options` naming level 4; docs/results/t2po.md) for 4 and for 8 RL steps. It
 adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
 seeds where that is > 0, and the same gain on the probe set; and, per run, the held-out games won per
 walkthrough (games that share one mostly win or lose together).
@@ -50,46 +49,21 @@ sys.path.insert(0, ROOT)
 
 from common.plot import probe_series, read_metrics, train_series  # noqa: E402
 
-# the level-4 arm at 4 turns and lr 5e-6, which the arms after it vary by one flag each
+# level 4 (docs/results/t2po.md): 4 tasks x 4 rollouts at T 1.0, lr 5e-6, a 4-episode cold start, 4 turns
 LEVEL4 = ["--temperature", "1.0", "--lr", "5e-6", "--tasks-per-step", "4", "--group-size", "4",
           "--cold-start-episodes", "4", "--max-turns", "4"]
-LEVEL4_MT4 = ["--probe-tasks", "8", *LEVEL4]
-# arm name -> the flags that make it; the first arm is the paper's method, the others its baselines
+# arm name -> the flags that make it; the first arm is the paper's method, the others its baselines.
+# Only the arms a results page cites; the others live in git history (docs/results/README.md).
 ARMS = {
     "t2po": {"t2po": [], "gigpo": ["--no-tti", "--no-tds"]},
     "arpo": {"arpo": [], "grpo": ["--rollout", "global"]},
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
     "demo": {"rl": ["--probe-tasks", "8"], "lr0": ["--probe-tasks", "8", "--lr", "0"],
-             # does a smaller step (the paper's lr: 1e-6) stop RL's losses? also at the paper's T 1.0
-             "lr5e-6": ["--probe-tasks", "8", "--lr", "5e-6"],
-             "t1-lr5e-6": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "5e-6"],
-             # more groups with a signal at the same cost: 4 tasks x 4 rollouts, a step between the two
-             "t1-4x4-lr1e-5": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "1e-5",
-                               "--tasks-per-step", "4", "--group-size", "4"],
-             # the same, from a smaller cold start (4 expert episodes, not 12): room for RL to add
-             "t1-4x4-lr1e-5-cs4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "1e-5",
-                                   "--tasks-per-step", "4", "--group-size", "4",
-                                   "--cold-start-episodes", "4"],
-             # a smaller first step: Adam's first update moves every weight by ~lr whatever the
-             # advantages' scale, and at 1e-5 one lucky win with a junk turn broke the format (seed 0)
-             "t1-4x4-lr2e-6-cs4": ["--probe-tasks", "8", "--temperature", "1.0", "--lr", "2e-6",
-                                   "--tasks-per-step", "4", "--group-size", "4",
-                                   "--cold-start-episodes", "4"],
-             # level 4's solutions are 4 commands: with 4 turns no winning episode holds a junk turn, the
-             # turns that RL reinforced into the empty and `</action` answers at 5 turns (seed 0)
-             "t1-4x4-lr5e-6-cs4-mt4": LEVEL4_MT4,
-             # the same for 8 steps, not 4: in 4 steps of 16 episodes half the seeds barely moved
-             "t1-4x4-lr5e-6-cs4-mt4-st8": [*LEVEL4_MT4, "--steps", "8"],
-             # a step without a win has only the format penalty's advantages, and they favoured the empty
-             # action `<action></action>` (well-formed, refused by the game) until every turn was one (st8,
-             # seed 0); the official ALFWorld projection, TextWorld's kin, counts a refused action invalid
-             "t1-4x4-lr5e-6-cs4-mt4-inv": [*LEVEL4_MT4, "--inadmissible-invalid"],
-             # the same trained in fp32 on any CPU: on one with AVX512-BF16, `--autocast auto`'s bf16 RFT
-             # fitted its 16 expert turns worse, and its held-out cold starts were weaker in 9 of 10 seeds
-             "t1-4x4-lr5e-6-cs4-mt4-inv-fp32": [*LEVEL4_MT4, "--inadmissible-invalid", "--autocast", "off"],
-             # arm inv for 8 steps: its steps without a win (a quarter of them) carry no signal, so its
-             # per-seed gains ranged -3 to +21; no probe, whose 9 evaluations would cost ~12 min a run
+             # a refused action counts invalid (the official ALFWorld projection's rule): without it a
+             # step with no win rewarded the empty action `<action></action>` until every turn was one
+             "t1-4x4-lr5e-6-cs4-mt4-inv": ["--probe-tasks", "8", *LEVEL4, "--inadmissible-invalid"],
+             # the same for 8 steps without the probe (its 9 evaluations would cost ~12 min a run)
              "t1-4x4-lr5e-6-cs4-mt4-inv-st8": [*LEVEL4, "--inadmissible-invalid", "--steps", "8"]},
 }
 SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
@@ -270,9 +244,10 @@ def walkthrough_wins(folder: str) -> dict[str, list[int]]:
 
 
 def walkthrough_table(root: str, runs: dict[str, dict[int, list[dict]]]) -> str:
-    """demo: per arm and seed, the held-out games won per walkthrough, after the cold start → after RL."""
-    cells = {(arm, seed): walkthrough_wins(run_folder(root, "demo", arm, seed))
-             for arm in ARMS["demo"] if arm in runs for seed in sorted(runs[arm])}
+    """demo: per arm and seed, the held-out games won per walkthrough, after the cold start → after RL;
+    the runs that kept their transcripts (one seed per arm is committed)."""
+    cells = {(arm, seed): wins for arm in ARMS["demo"] if arm in runs for seed in sorted(runs[arm])
+             if (wins := walkthrough_wins(run_folder(root, "demo", arm, seed)))}
     names = sorted({name for wins in cells.values() for name in wins})
     if not names:  # no run kept its transcripts
         return ""
