@@ -12,7 +12,7 @@ executed, then one final turn whose search is not: here too, turn max_turns + 1 
 answer's reward if it answers, else 0. (Search-R1 scores the last answer of the whole trajectory; an
 earlier turn holds a complete answer only inside a search query, which we do not score.) An action with
 neither tag (or an unclosed one) is invalid: the observation says how to act, the turn is used up, and
-info["valid_action"] is False (T²PO's format penalty reads it).
+info["valid_action"] is False (T²PO logs it as inadmissible_rate; its format penalty is its own parse).
 
 Retrieval: BM25 over a corpus jsonl (`corpus=`), or a Search-R1 retrieval server (`url=`); by default the
 offline world of envs/qa_data.py (single-hop and two-hop questions over a generated corpus). QA files:
