@@ -4,7 +4,17 @@ The vocabulary projection is the memory hog of RL training: (B, T, V) logits for
 tokens are 4.8 GB in fp32, and log_softmax plus its backward need several such tensors. Here the model runs
 up to its final hidden states (B, T, H); lm_head + log-softmax then run on `chunk_size` tokens at a time
 under activation checkpointing, so forward and backward each hold at most (chunk_size, V) logits.
+
+With `share_prefixes`, rows that start with the same tokens (a group's prompt, the system prompt of every
+turn) are packed into a prefix tree and each distinct prefix runs once: one packed row holds several
+trees, every token attends to its own ancestors only (a 4D mask), and its position is its depth. A
+token's hidden state depends only on the tokens before it, so every row's log-probs, and the gradient
+that flows back through the shared tokens (the sum over the rows that share them), equal the unpacked
+ones up to float rounding.
 """
+
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -20,11 +30,13 @@ def _decoder(model: nn.Module) -> nn.Module:
     return inner.get_decoder()
 
 
-def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                        position_ids: Tensor | None = None) -> Tensor:
     """(B, T) -> (B, T, H) hidden states after the final norm, i.e. what lm_head sees.
 
     The call goes through `model` itself (so DDP / peft wrappers see a normal forward) with logits for
-    only the last position; a hook on the decoder grabs its output.
+    only the last position; a hook on the decoder grabs its output. attention_mask: (B, T) padding mask,
+    or a (B, 1, T, T) boolean mask of what each token attends to, with explicit `position_ids`.
     """
     captured = []
 
@@ -32,14 +44,71 @@ def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
         captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
 
     hook = _decoder(model).register_forward_hook(grab)
-    # positions count real tokens only, as HF generate does for left-padded prompts
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    if position_ids is None:  # positions count real tokens only, as HF generate does for left padding
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
               use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
     return captured[-1]
+
+
+@dataclass
+class PrefixForest:
+    """The rows of a (B, T) batch as a forest of prefixes, packed into R rows of N nodes: one node per
+    distinct prefix, so a token shared by several rows' prefixes appears once."""
+    input_ids: Tensor  # (R, N) each node's token; padding nodes hold token 0
+    position_ids: Tensor  # (R, N) each node's depth: the position its token has in every row holding it
+    attend: Tensor  # (R, 1, N, N) bool: node i attends to node k, k = i or an ancestor of i
+    node_of: Tensor  # (B, T) the flat index r * N + i of the node of ids[b, t]; -1 for padding
+
+
+def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int = 1024) -> PrefixForest:
+    """Pack the real tokens of each row (attention_mask 1) into prefix trees, whole trees to a row, up to
+    `max_row_tokens` nodes a row (a larger tree gets a row of its own): attention costs N² a row."""
+    ids, keep = input_ids.tolist(), attention_mask.bool().tolist()
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; parent -1: a tree's root
+    parent, token, depth, tree = [], [], [], []
+    node_of = [[-1] * len(row) for row in ids]
+    for b, row in enumerate(ids):
+        node = -1
+        for t, tok in enumerate(row):
+            if not keep[b][t]:
+                continue
+            if (node, tok) not in child:
+                child[node, tok] = len(token)
+                parent.append(node)
+                token.append(tok)
+                depth.append(depth[node] + 1 if node >= 0 else 0)
+                tree.append(tree[node] if node >= 0 else len(token) - 1)
+            node = node_of[b][t] = child[node, tok]
+    sizes: dict[int, int] = defaultdict(int)
+    for root in tree:
+        sizes[root] += 1
+    row_of_tree, row, used = {}, -1, max_row_tokens  # greedy: trees in order, a new row when one is full
+    for root, size in sizes.items():
+        if used + size > max_row_tokens:
+            row, used = row + 1, 0
+        row_of_tree[root], used = row, used + size
+    rows = max(row + 1, 1)
+    members = [[n for n in range(len(token)) if row_of_tree[tree[n]] == r] for r in range(rows)]
+    width = max(1, *map(len, members))
+    packed_ids = torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, width, dtype=torch.long)
+    attend = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # padding attends to itself only
+    flat = [0] * len(token)  # node -> r * width + i
+    for r, nodes in enumerate(members):
+        for i, n in enumerate(nodes):  # creation order: a parent comes before its children
+            flat[n] = r * width + i
+            packed_ids[r, i], positions[r, i] = token[n], depth[n]
+            if parent[n] >= 0:
+                attend[r, i] |= attend[r, flat[parent[n]] - r * width]
+    node_index = torch.tensor([[flat[n] if n >= 0 else -1 for n in row] for row in node_of],
+                              dtype=torch.long).reshape(input_ids.shape)
+    device = input_ids.device
+    return PrefixForest(packed_ids.to(device), positions.to(device), attend[:, None].to(device),
+                        node_index.to(device))
 
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
@@ -66,6 +135,8 @@ def token_logprobs(
     chunk_size: int = 512,
     with_entropy: bool = False,
     target_mask: Tensor | None = None,
+    share_prefixes: bool = False,
+    max_row_tokens: int = 1024,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """(B, T) ids -> (B, T-1) log-probs, out[:, t] = log p(ids[:, t+1] | ids[:, :t+1]) under
     softmax(logits / temperature); with_entropy also returns the entropy of that distribution, (B, T-1).
@@ -77,13 +148,27 @@ def token_logprobs(
     `target_mask` (B, T-1) bool, optional: compute only the targets it keeps (e.g. an RL agent's action
     tokens, with the environment's long observations left out); the others are 0 and cost no vocabulary
     projection. The values it keeps are the same as without it.
+    `share_prefixes`: each distinct prefix of the rows runs once (`prefix_forest`, packed rows of at most
+    `max_row_tokens` nodes), and each distinct (prefix, next token) pair's log-prob once; the same values
+    and gradients up to float rounding.
     """
-    hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1]  # (B, T-1, H)
     # a target counts when it and the token before it are real: the first real token has no context
     valid = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()  # (B, T-1)
     if target_mask is not None:
         valid = valid & target_mask.bool()
-    hidden, targets = hidden[valid], input_ids[:, 1:][valid]  # (N, H), (N,)
+    targets = input_ids[:, 1:][valid]  # (N,)
+    if share_prefixes:
+        forest = prefix_forest(input_ids, attention_mask, max_row_tokens)
+        states = final_hidden_states(model, forest.input_ids, forest.attend, forest.position_ids)
+        nodes = forest.node_of[:, :-1][valid]  # (N,) the node whose state predicts each target
+        # rows that share a prefix and its next token share the target too: score each pair once
+        pairs, copy = torch.unique(nodes * (int(targets.max()) + 1 if len(targets) else 1) + targets,
+                                   return_inverse=True)
+        first = torch.zeros_like(pairs).scatter_(0, copy, torch.arange(len(copy), device=copy.device))
+        hidden = states.flatten(0, 1)[nodes[first]]  # (P, H)
+        targets = targets[first]
+    else:
+        hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1][valid]  # (N, H)
     head = unwrap(model).get_output_embeddings()
     logps, entropies = [], []
     # checkpoint: backward recomputes each chunk's logits instead of keeping all chunks' alive. A single
@@ -96,6 +181,8 @@ def token_logprobs(
             else _chunk_logprobs(*chunk)
         logps.append(logp)
         entropies.append(entropy)
+    if share_prefixes and logps:  # each target's value: its pair's
+        logps, entropies = [torch.cat(logps)[copy]], [torch.cat(entropies)[copy]] if with_entropy else []
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = hidden.new_zeros(valid.shape, dtype=dtype)  # (B, T-1)
     out = out.masked_scatter(valid, torch.cat(logps)) if logps else out
