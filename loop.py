@@ -143,14 +143,13 @@ def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, turn_ids
 
 
 def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch.Tensor,
-              advantages: torch.Tensor, turn_ids: torch.Tensor, *, clip_eps: float, minibatch_size: int,
-              level: str = "token", ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-              ) -> tuple[torch.Tensor, dict]:
-    """LOOP surrogate loss of a (micro-)batch of N rollouts, to be summed over a minibatch.
+              advantages: torch.Tensor, turn_ids: torch.Tensor, *, clip_eps: float, level: str = "token",
+              ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """LOOP surrogate loss SUMMED over a (micro-)batch of N rollouts; `update` divides it by M.
 
     new_logp, old_logp, ref_logp, action_mask, turn_ids: (N, T) per target token; advantages: (N,).
-    L = -1/M sum_i [ 1/|u(x_i)| sum_{u} min(r_u A_i, clip(r_u, 1/(1+eps), 1+eps) A_i) ]   with M the
-    constant minibatch size (not N, and not the number kept after filtering), u the importance units."""
+    Returns -sum_i [ 1/|u(x_i)| sum_{u} min(r_u A_i, clip(r_u, 1/(1+eps), 1+eps) A_i) ], u the importance
+    units; L = that sum over the minibatch / M, M the constant minibatch size (not the number kept)."""
     log_ratio = new_logp - old_logp.detach()  # (N, T)
     unit_lr, unit_mask = unit_log_ratios(log_ratio, action_mask, turn_ids, level)  # (N, U)
     ratio = torch.exp(unit_lr)
@@ -166,7 +165,7 @@ def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch
         d = (ref_logp - new_logp) * tok
         k3 = (torch.exp(d) - d - 1) * tok
         per_rollout = per_rollout - kl_coef * k3.sum(1) / tok.sum(1).clamp(min=1)
-    loss = -per_rollout.sum() / minibatch_size
+    loss_sum = -per_rollout.sum()  # update divides it by M
 
     with torch.no_grad():
         tok_mask = action_mask.bool()
@@ -183,7 +182,7 @@ def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch
             "k3_sum": float((torch.expm1(traj_lr.clamp(max=50.0)) - traj_lr).sum()),  # k3 = r - 1 - log r
             "rollouts": float(log_ratio.shape[0]),
         }
-    return loss, stats
+    return loss_sum, stats
 
 
 # Rollout: one token sequence per episode
@@ -339,7 +338,7 @@ def training_rollouts(r: run.Run, pool: EnvPool, train_tasks: list, args: Args, 
     return rollouts
 
 
-def pad_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch.Tensor]:
+def build_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch.Tensor]:
     """Right-pad rollouts. input_ids/attention_mask: (N, T); per-target tensors: (N, T-1)."""
     t = max(len(r.ids) for r in batch)
     # built on the policy's device: on a GPU the forward refuses inputs left on the CPU
@@ -367,7 +366,7 @@ def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
     """Two tokens, one of them an "action": input for a zero-weight pass on a rank with nothing to do."""
     r = Rollout(task=None, group=-1, ids=[pad_id, pad_id], action_mask=[False, True], turn_ids=[-1, 0],
                 old_logp=[0.0], ref_logp=[0.0])
-    return pad_batch([r], pad_id, device)
+    return build_batch([r], pad_id, device)
 
 
 @torch.no_grad()
@@ -380,18 +379,19 @@ def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, 
         if not weight:
             action_logprobs(model, dummy_batch(pad_id, model.device))
             continue
-        lp = action_logprobs(model, pad_batch(chunk, pad_id, model.device), temperature)  # (n, T-1)
+        lp = action_logprobs(model, build_batch(chunk, pad_id, model.device), temperature)  # (n, T-1)
         for r, row in zip(chunk, lp, strict=True):
             setattr(r, key, row[: len(r.ids) - 1].tolist())
 
 
-def reference_logprobs(r: run.Run, rollouts: list[Rollout], args: Args) -> None:
-    """log pi_ref for the KL ablation: the model as loaded from --model (LoRA: with the adapter off)."""
-    pad_id, micro, temp = r.tokenizer.pad_token_id, args.micro_batch_size, args.temperature
-    if r.reference is not None:  # full fine-tune: a frozen copy
-        return recompute_logprobs(r.reference, rollouts, pad_id, micro, "ref_logp", temp)
-    with models.unwrap(r.model).disable_adapter():
-        recompute_logprobs(r.model, rollouts, pad_id, micro, "ref_logp", temp)
+def reference_logprobs(model, reference, rollouts: list[Rollout], pad_id: int, args: Args) -> None:
+    """log pi_ref for the KL ablation: `reference`, a frozen copy (full fine-tune, or the cold-started
+    policy), or where it is None the model as loaded from --model (LoRA: `model` with the adapter off)."""
+    micro, temp = args.micro_batch_size, args.temperature
+    if reference is not None:
+        return recompute_logprobs(reference, rollouts, pad_id, micro, "ref_logp", temp)
+    with models.unwrap(model).disable_adapter():
+        recompute_logprobs(model, rollouts, pad_id, micro, "ref_logp", temp)
 
 
 # Update: epochs of minibatches
@@ -418,14 +418,22 @@ def global_stats(st: dict) -> dict:
 
 
 def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], pad_id: int, args: Args,
-           rng: torch.Generator) -> dict:
-    """Epochs of reshuffled minibatches over the GLOBAL batch; the iteration is abandoned if KL explodes.
+           rng: torch.Generator, reference=None) -> dict:
+    """pi_old's log-probs (and pi_ref's with --kl-coef: `reference`, or with LoRA where it is None the
+    base model, adapter off), then epochs of reshuffled minibatches over the GLOBAL batch; the iteration
+    is abandoned if KL explodes.
 
     Under torchrun each rank holds its own rollouts. All ranks shuffle the same global list (ordered by
     (group, sample), so the order does not depend on how groups were dealt out), take the same minibatch
     of `--minibatch-size` rollouts and each computes the part it owns. The loss keeps the constant
     divisor (the global minibatch size) and is multiplied by dist.grad_scale(), since DDP averages
     gradients over ranks: one optimizer step is the same update on 1, 2 or 8 ranks."""
+    t0, model = time.time(), models.unwrap(policy)  # the no-grad passes skip the DDP wrapper
+    # pi_old under the training model at the sampling temperature, before the first step (Sec. 3)
+    recompute_logprobs(model, rollouts, pad_id, args.micro_batch_size, "old_logp", args.temperature)
+    if args.kl_coef > 0:  # the KL ablation's pi_ref
+        reference_logprobs(model, reference, rollouts, pad_id, args)
+    time_logprobs = time.time() - t0
     device = next(policy.parameters()).device
     mine = {(r.group, r.sample): i for i, r in enumerate(rollouts)}
     everyone = sorted(k for keys in dist.all_gather_object(list(mine)) for k in keys)  # the global batch
@@ -443,13 +451,13 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
                 if not weight:  # zero-weight pass
                     (action_logprobs(policy, dummy_batch(pad_id, device)).sum() * 0.0).backward()
                     continue
-                b = pad_batch([rollouts[i] for i in rows], pad_id, device)
+                b = build_batch([rollouts[i] for i in rows], pad_id, device)
                 new_logp = action_logprobs(policy, b, args.temperature)  # (n, T-1)
                 adv = torch.tensor([advantages[i] for i in rows], device=device)  # (n,)
-                loss, st = loop_loss(new_logp, b["old_logp"], b["action_mask"], adv, b["turn_ids"],
-                                     clip_eps=args.clip_eps, minibatch_size=args.minibatch_size,
-                                     level=args.importance_weight, ref_logp=b.get("ref_logp"),
-                                     kl_coef=args.kl_coef)
+                loss_sum, st = loop_loss(new_logp, b["old_logp"], b["action_mask"], adv, b["turn_ids"],
+                                         clip_eps=args.clip_eps, level=args.importance_weight,
+                                         ref_logp=b.get("ref_logp"), kl_coef=args.kl_coef)
+                loss = loss_sum / args.minibatch_size  # the constant M, not the rollouts kept
                 (loss * dist.grad_scale()).backward()
                 mb_loss += loss.item()
                 merge_stats(mb_stats, st)
@@ -474,7 +482,8 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
             "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1.0),
             "ratio_min": totals["ratio_min"] if any_tokens else 1.0,
             "ratio_max": totals["ratio_max"] if any_tokens else 1.0,
-            "kl_k1": totals["k1_sum"] / n, "kl_k3": totals["k3_sum"] / n, "abandoned": float(abandoned)}
+            "kl_k1": totals["k1_sum"] / n, "kl_k3": totals["k3_sum"] / n, "abandoned": float(abandoned),
+            "time_logprobs_s": time_logprobs}
 
 
 def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
@@ -561,7 +570,7 @@ def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
     demos = expert_rollouts(env, r.tokenizer, picks, args, model_eos_ids(r.tokenizer, r.model))
 
     def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # zero off the action tokens
-        batch = pad_batch([demos[i] for i in rows], pad_id, r.device)
+        batch = build_batch([demos[i] for i in rows], pad_id, r.device)
         return action_logprobs(r.policy, batch).sum(), float(batch["action_mask"].sum())
 
     rng = torch.Generator().manual_seed(args.seed)
@@ -616,20 +625,16 @@ def main(argv: list[str] | None = None) -> dict:
         kept = [x for x, k in zip(rollouts, keep, strict=True) if k]
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
         n_kept = dist.all_reduce(len(kept))
-        # 3. old log-probs (and the reference's, for the KL ablation) under the training model
-        recompute_logprobs(r.model, kept, pad_id, args.micro_batch_size, "old_logp", args.temperature)
-        if args.kl_coef > 0:
-            reference_logprobs(r, kept, args)
-        t2 = time.time()
-        # 4. update: epochs of reshuffled minibatches (the same shuffle on every rank)
-        trained = {"loss": 0.0, "gradient_steps": 0}
+        # 3. update: old log-probs (and the reference's, for the KL ablation) under the training model,
+        # then epochs of reshuffled minibatches (the same shuffle on every rank)
+        trained = {"loss": 0.0, "gradient_steps": 0, "time_logprobs_s": 0.0}
         if n_kept:  # the same on every rank
             rng = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-            trained = update(r.policy, r.optimizer, kept, kept_adv, pad_id, args, rng)
+            trained = update(r.policy, r.optimizer, kept, kept_adv, pad_id, args, rng, r.reference)
             r.generator.update_weights(r.model)
         t3 = time.time()
         line = {"step": step + 1, **rollout_metrics(rollouts, n_kept, step + 1), **trained,
-                "time_rollout_s": t1 - t0, "time_logprobs_s": t2 - t1, "time_update_s": t3 - t2,
+                "time_rollout_s": t1 - t0, "time_update_s": t3 - t1 - trained["time_logprobs_s"],
                 "time_s": t3 - t_rl, "step_time_s": t3 - t0}  # to the end of the update, as arpo and t2po
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             line.update({**held_out(f"step_{step + 1}"), "time_eval_s": time.time() - t3})
