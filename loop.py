@@ -142,6 +142,16 @@ def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, turn_ids
     raise ValueError(f"--importance-weight must be token, turn or trajectory, not {level!r}")
 
 
+def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) (Schulman 2020), as verl's `low_var_kl`:
+    e^x - x - 1 with x = ref_logp - logp, clamped to [-10, 10]; x is clamped to [-20, 20] first (as
+    verl now does), which changes no value but keeps an overflowing exp from a NaN gradient.
+    LOOP's authors give no estimator to follow: the paper's KL ablation does not name one, and ml-loop
+    has no reference model (its `rloo_kl_lambda`, 0, adds a constant to the advantage)."""
+    x = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(x) - x - 1, min=-10.0, max=10.0)
+
+
 def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch.Tensor,
               advantages: torch.Tensor, turn_ids: torch.Tensor, *, clip_eps: float, level: str = "token",
               ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
@@ -160,10 +170,9 @@ def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch
     units = unit_mask.to(ratio.dtype)
     n_units = units.sum(1).clamp(min=1)
     per_rollout = (objective * units).sum(1) / n_units  # (N,) average within the trajectory
-    if kl_coef > 0:  # ablation: k3 estimate of KL(pi_theta || pi_ref) per token, averaged likewise
+    if kl_coef > 0:  # ablation: the KL to pi_ref per token, averaged over the trajectory likewise
         tok = action_mask.to(ratio.dtype)
-        d = (ref_logp - new_logp) * tok
-        k3 = (torch.exp(d) - d - 1) * tok
+        k3 = low_var_kl(new_logp, ref_logp) * tok
         per_rollout = per_rollout - kl_coef * k3.sum(1) / tok.sum(1).clamp(min=1)
     loss_sum = -per_rollout.sum()  # update divides it by M
 

@@ -122,6 +122,18 @@ def test_kl_estimates_and_penalty():
     assert float(pen - base) == pytest.approx(extra, abs=1e-6)
 
 
+def test_low_var_kl_is_k3_clamped_as_verl():
+    logp = torch.tensor([0.0, -1.0, -30.0, -200.0], requires_grad=True)
+    ref = torch.tensor([0.0, -2.0, 0.0, 0.0])
+    kl = loop.low_var_kl(logp, ref)
+    value = kl.detach()
+    x = -1.0  # ref - logp of the second token
+    assert value[0] == 0.0 and float(value[1]) == pytest.approx(math.exp(x) - x - 1, abs=1e-6)
+    assert value[2] == 10.0 and value[3] == 10.0  # e^30 - 31 and beyond are clamped to 10
+    kl.sum().backward()  # x = 200 would overflow exp in float32: the clamp of x keeps the gradient finite
+    assert torch.isfinite(logp.grad).all() and logp.grad[2] == 0.0 and logp.grad[3] == 0.0
+
+
 def test_environment_tokens_receive_no_gradient():
     new = torch.log(RATIOS).requires_grad_(True)
     loss, _ = _loss(new=new)
