@@ -331,17 +331,26 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, group_size: int, a
     return episodes
 
 
+def step_rng(seed: int, step: int) -> torch.Generator:
+    """The randomness of training step `step` (1-based), from the seed and the step alone, so a resume
+    continues exactly. With --seed (the same on every rank) it picks the step's tasks (random.Random of
+    its key) and orders the update's minibatches; with the rank's seed (dist.rank_seed) its key seeds
+    the rank's sampling. Keyed on step - 1, the 0-based index runs were keyed on before: the same numbers."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step - 1)
+
+
 def training_rollouts(r: run.Run, pool: EnvPool, train_tasks: list, args: Args, step: int,
                       eos_ids: set[int]) -> list[Rollout]:
-    """The iteration's B tasks x K rollouts at --temperature. The task list is the same on every rank; each
-    rank plays its share of the groups (whole groups) with its own sampling seed."""
-    tasks = random.Random(args.seed * 1_000_003 + step).sample(train_tasks, args.tasks_per_step)
+    """The iteration's B tasks x K rollouts at --temperature. The task list is the same on every rank;
+    each rank plays its share of the groups (whole groups) with its own sampling seed."""
+    draw = random.Random(step_rng(args.seed, step).initial_seed())  # the same tasks on every rank
+    tasks = draw.sample(train_tasks, args.tasks_per_step)
     mine = dist.shard(list(enumerate(tasks)))  # (global group index, task)
     if not mine:
         return []
     rollouts = rollout(r.generator, r.tokenizer, pool, [t for _, t in mine], args.group_size, args,
                        temperature=args.temperature, max_turns=args.max_turns,
-                       seed=dist.rank_seed(args.seed) * 1_000_003 + step, eos_ids=eos_ids)
+                       seed=step_rng(dist.rank_seed(args.seed), step).initial_seed(), eos_ids=eos_ids)
     for x in rollouts:
         x.group = mine[x.group][0]
     return rollouts
@@ -591,7 +600,16 @@ def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
     return {"cold_start/episodes": len(demos), "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
 
 
-def build_envs(args: Args) -> tuple:
+@dataclass
+class Envs:
+    env: object  # the environment itself: its expert, for the cold start
+    train_tasks: list
+    eval_tasks: list
+    pool: EnvPool  # this rank's training episodes: its share of the B tasks, K rollouts each
+    eval_pool: EnvPool | None  # rank 0 evaluates
+
+
+def build_envs(args: Args) -> Envs:
     """The environment, its task lists and the pools, before any model loads (a bad --env: one line)."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if hasattr(env, "game_file"):  # TextWorld compiles a game on first use: not inside a step timeout
@@ -600,7 +618,7 @@ def build_envs(args: Args) -> tuple:
     # each rank plays whole groups: its share of the B tasks (dist.shard), K rollouts each
     pool = EnvPool(args.env, len(dist.shard(range(args.tasks_per_step))) * args.group_size, **options)
     eval_pool = EnvPool(args.env, len(eval_tasks), **options) if dist.is_main() else None
-    return env, train_tasks, eval_tasks, pool, eval_pool
+    return Envs(env, train_tasks, eval_tasks, pool, eval_pool)
 
 
 @dist.entrypoint
@@ -608,24 +626,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = run.parse(Args, argv, PRESETS)
     if args.dry_run:
         return run.dry_run(args, args.max_seq_len, "--max-seq-len (the whole episode)", chunk_size=1024)
-    env, train_tasks, eval_tasks, pool, eval_pool = build_envs(args)  # before the model: errors cost no load
+    envs = build_envs(args)  # before the model: a bad --env costs no load
     r = run.setup(args, desc="loop")
     pad_id, eos_ids = r.tokenizer.pad_token_id, model_eos_ids(r.tokenizer, r.model)
-    held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks,
-                                                          args, eos_ids, stage))
-    if "base" not in r.extra:  # a resumed run has done these
+    held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, envs.eval_pool,
+                                                          envs.eval_tasks, args, eos_ids, stage))
+    if "base" not in r.extra:  # a resumed run has done it
         r.extra["base"] = held_out("base")
         r.logger.log({"step": 0, **r.extra["base"]})
-        if args.cold_start and (log := cold_start(r, env, train_tasks, args)):  # {}: --env has no expert
-            run.cold_started_reference(r, args)  # --kl-coef ablation: the KL is to the policy RL starts from
+    if args.cold_start and "cold_start" not in r.extra:
+        if log := cold_start(r, envs.env, envs.train_tasks, args):  # {}: --env has no expert
+            run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
             r.extra["cold_start"] = held_out("cold_start")
             r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
                                                for k, v in r.extra["cold_start"].items()}})
     line, t_rl = {}, time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
-    for step in range(r.start_step, args.steps):
+    for step in range(r.start_step + 1, args.steps + 1):
         t0 = time.time()
         # 1. rollout: B tasks x K episodes at --temperature from the current policy
-        rollouts = training_rollouts(r, pool, train_tasks, args, step, eos_ids)
+        rollouts = training_rollouts(r, envs.pool, envs.train_tasks, args, step, eos_ids)
         r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
         t1 = time.time()
         # 2. leave-one-out advantages within each group, then drop |A| < threshold and failed rollouts
@@ -634,26 +653,26 @@ def main(argv: list[str] | None = None) -> dict:
         kept = [x for x, k in zip(rollouts, keep, strict=True) if k]
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
         n_kept = dist.all_reduce(len(kept))
-        # 3. update: old log-probs (and the reference's, for the KL ablation) under the training model,
-        # then epochs of reshuffled minibatches (the same shuffle on every rank)
+        # 3. update: old log-probs (and the reference's, for the KL ablation) under the training
+        # model, then epochs of reshuffled minibatches (the same shuffle on every rank)
         trained = {"loss": 0.0, "gradient_steps": 0, "time_logprobs_s": 0.0}
         if n_kept:  # the same on every rank
-            rng = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-            trained = update(r.policy, r.optimizer, kept, kept_adv, pad_id, args, rng, r.reference)
+            trained = update(r.policy, r.optimizer, kept, kept_adv, pad_id, args,
+                             step_rng(args.seed, step), r.reference)
             r.generator.update_weights(r.model)
-        t3 = time.time()
-        line = {"step": step + 1, **rollout_metrics(rollouts, n_kept, step + 1), **trained,
-                "time_rollout_s": t1 - t0, "time_update_s": t3 - t1 - trained["time_logprobs_s"],
-                "time_s": t3 - t_rl, "step_time_s": t3 - t0}  # to the end of the update, as arpo and t2po
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            line.update({**held_out(f"step_{step + 1}"), "time_eval_s": time.time() - t3})
+        t2 = time.time()  # the step's end: to the end of the update, as arpo and t2po
+        line = {"step": step, **rollout_metrics(rollouts, n_kept, step), **trained,
+                "time_rollout_s": t1 - t0, "time_update_s": t2 - t1 - trained["time_logprobs_s"],
+                "time_s": t2 - t_rl, "step_time_s": t2 - t0}
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            line.update({**held_out(f"step_{step}"), "time_eval_s": time.time() - t2})
         r.logger.log(line)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            run.save(r, args, step + 1)
+        if step % args.save_every == 0 or step == args.steps:
+            run.save(r, args, step)
     r.extra["rl"] = held_out("rl")
     r.logger.log({"step": args.steps, **r.extra["rl"]})
     r.logger.close()
-    run.report(args, r.extra, len(eval_tasks))
+    run.report(args, r.extra, len(envs.eval_tasks))
     dist.cleanup()
     return {**line, **r.extra["rl"]}
 
