@@ -67,9 +67,10 @@ LO, HI = 1 / 1.1, 1.1
 
 
 def _loss(level="token", mb=4, new=None, **kw):
+    """loop_loss's sum divided by the minibatch size M = mb, as update divides it."""
     new = torch.log(RATIOS) if new is None else new
-    return loop.loop_loss(new, torch.zeros(2, 3), MASK, ADV, TURNS, clip_eps=0.1, minibatch_size=mb,
-                          level=level, **kw)
+    loss_sum, st = loop.loop_loss(new, torch.zeros(2, 3), MASK, ADV, TURNS, clip_eps=0.1, level=level, **kw)
+    return loss_sum / mb, st
 
 
 def test_per_token_loss_hand_computed():
@@ -96,10 +97,15 @@ def test_per_turn_and_per_trajectory_weights():
 
 
 def test_constant_divisor_filtering_does_not_reweight():
-    # rollout 0 alone, divided by the same minibatch size 4 (not by 1): its share of the full loss
-    loss, _ = loop.loop_loss(torch.log(RATIOS[:1]), torch.zeros(1, 3), MASK[:1], ADV[:1], TURNS[:1],
-                             clip_eps=0.1, minibatch_size=4)
-    assert float(loss) == pytest.approx(-(1.0 + 1.1 + 0.8) / 3 / 4, abs=1e-6)
+    # loop_loss returns the SUM over rollouts (no divisor of its own): rollout 0 alone gives its own
+    # objective, and update divides by the same minibatch size 4 (not by 1): its share of the full loss
+    loss_sum, _ = loop.loop_loss(torch.log(RATIOS[:1]), torch.zeros(1, 3), MASK[:1], ADV[:1], TURNS[:1],
+                                 clip_eps=0.1)
+    assert float(loss_sum) == pytest.approx(-(1.0 + 1.1 + 0.8) / 3, abs=1e-6)
+    full, _ = _loss()
+    rollout_1 = loop.loop_loss(torch.log(RATIOS[1:]), torch.zeros(1, 3), MASK[1:], ADV[1:], TURNS[1:],
+                               clip_eps=0.1)[0]
+    assert float(full) == pytest.approx(float(loss_sum + rollout_1) / 4, abs=1e-6)
 
 
 def test_kl_estimates_and_penalty():
@@ -114,6 +120,18 @@ def test_kl_estimates_and_penalty():
     pen, _ = _loss(ref_logp=torch.zeros(2, 3), kl_coef=0.5)
     extra = 0.5 * ((k3(1.0) + k3(1.2) + k3(0.8)) / 3 + (k3(1.2) + k3(0.8)) / 2) / 4
     assert float(pen - base) == pytest.approx(extra, abs=1e-6)
+
+
+def test_low_var_kl_is_k3_clamped_as_verl():
+    logp = torch.tensor([0.0, -1.0, -30.0, -200.0], requires_grad=True)
+    ref = torch.tensor([0.0, -2.0, 0.0, 0.0])
+    kl = loop.low_var_kl(logp, ref)
+    value = kl.detach()
+    x = -1.0  # ref - logp of the second token
+    assert value[0] == 0.0 and float(value[1]) == pytest.approx(math.exp(x) - x - 1, abs=1e-6)
+    assert value[2] == 10.0 and value[3] == 10.0  # e^30 - 31 and beyond are clamped to 10
+    kl.sum().backward()  # x = 200 would overflow exp in float32: the clamp of x keeps the gradient finite
+    assert torch.isfinite(logp.grad).all() and logp.grad[2] == 0.0 and logp.grad[3] == 0.0
 
 
 def test_environment_tokens_receive_no_gradient():
@@ -194,7 +212,7 @@ def test_action_logprobs_match_full_logprobs(tiny):
     from common.logprobs import token_logprobs
 
     model, tok = tiny
-    b = loop.pad_batch(_rollouts(3), tok.pad_token_id)
+    b = loop.build_batch(_rollouts(3), tok.pad_token_id)
     with torch.no_grad():
         full = token_logprobs(model, b["input_ids"], b["attention_mask"])  # (3, T-1)
         ours = loop.action_logprobs(model, b)
@@ -215,7 +233,8 @@ def test_first_minibatch_ratio_is_one_so_nothing_clips(tiny):
 
     model = copy.deepcopy(tiny[0])
     rs = _rollouts(4)
-    loop.recompute_logprobs(model, rs, pad_id=0, micro=3, key="old_logp")  # other batching than the update
+    # update computes pi_old itself (micro-batches in list order) and trains on a shuffled order: other
+    # padding, the same numbers
     st = _sgd_update(model, rs, [1.0, -1.0, 0.5, -0.5])  # one minibatch: its stats are all pre-step
     assert st["gradient_steps"] == 1
     assert st["ratio_min"] == pytest.approx(1.0, abs=1e-5) and st["ratio_max"] == pytest.approx(1.0, abs=1e-5)
@@ -234,10 +253,9 @@ def test_update_trains_in_train_mode_so_gradient_checkpointing_acts():
     calls, forward = [], mlp.forward
     mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)  # a hook is not called on recompute
     rs = _rollouts(4)
-    loop.recompute_logprobs(model, rs, pad_id=0, micro=4, key="old_logp")
-    calls.clear()
-    _sgd_update(model, rs, [1.0, -1.0, 0.5, -0.5])  # 2 micro-batches: each layer runs again in backward
-    assert len(calls) == 4, calls
+    _sgd_update(model, rs, [1.0, -1.0, 0.5, -0.5])
+    # pi_old: 2 no-grad passes (eval mode); then 2 micro-batches, each layer run again in backward (4)
+    assert len(calls) == 6, calls
     assert not model.training  # back to eval mode for the next rollout
 
 
@@ -659,8 +677,7 @@ def test_first_minibatch_ratio_is_one_at_a_temperature_other_than_one(tiny):
     import copy
 
     model = copy.deepcopy(tiny[0])
-    rs = _rollouts(4)
-    loop.recompute_logprobs(model, rs, pad_id=0, micro=4, key="old_logp", temperature=0.7)
+    rs = _rollouts(4)  # update computes pi_old at args.temperature
     args = loop.Args(epochs=1, minibatch_size=4, micro_batch_size=2, max_grad_norm=1e9, temperature=0.7)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     st = loop.update(model, opt, rs, [1.0, -1.0, 0.5, -0.5], 0, args, torch.Generator().manual_seed(0))

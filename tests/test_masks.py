@@ -212,9 +212,9 @@ def test_loop_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     draws = Draws(monkeypatch, lambda call, step, rows: words(rows) if step == 0 else ends(rows)
                   if step == 1 else None)
     rows, last = [], {}
-    real_pad, real_loss = loop.pad_batch, loop.loop_loss
+    real_pad, real_loss = loop.build_batch, loop.loop_loss
 
-    def pad_batch(*a, **k):
+    def build_batch(*a, **k):
         last["batch"] = real_pad(*a, **k)
         return last["batch"]
 
@@ -225,7 +225,7 @@ def test_loop_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
             rows.append((ids[:int(attention.sum())].tolist(), mask, old))
         return real_loss(new_logp, old_logp, action_mask, *a, **k)
 
-    monkeypatch.setattr(loop, "pad_batch", pad_batch)
+    monkeypatch.setattr(loop, "build_batch", build_batch)
     monkeypatch.setattr(loop, "loop_loss", loop_loss)
     loop.main(["--env", "toy", "--model", folder, "--backend", "hf", "--lora-rank", "0", "--no-cold-start",
                "--group-size", "2", "--tasks-per-step", "1", "--max-turns", "2", "--max-new-tokens", "6",

@@ -60,7 +60,6 @@ def update(script: str, model, policy, optimizer, tokenizer, groups: list[int], 
         keep = loop.keep_mask(advantages, args.adv_threshold)
         kept = [r for r, k in zip(rollouts, keep, strict=True) if k]
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
-        loop.recompute_logprobs(model, kept, tokenizer.pad_token_id, args.micro_batch_size, "old_logp")
         loop.update(policy, optimizer, kept, kept_adv, tokenizer.pad_token_id, args,
                     torch.Generator().manual_seed(iteration))
     elif script == "arpo":

@@ -52,12 +52,11 @@ def train(shard: bool) -> tuple[list[list[torch.Tensor]], list[bool]]:
     for iteration, groups in RETURNS.items():
         mine = dist.shard(list(range(len(groups)))) if shard else list(range(len(groups)))
         rollouts = [r for g in mine for r in task_rollouts(iteration, g, len(tokenizer))]
-        # as main() does: advantage within groups, filter, old log-probs, update
+        # as main() does: advantage within groups, filter, update (it computes the old log-probs)
         advantages = loop.group_advantages(rollouts, ARGS.std_normalize)
         keep = loop.keep_mask(advantages, ARGS.adv_threshold)
         kept = [r for r, k in zip(rollouts, keep, strict=True) if k]
         kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
-        loop.recompute_logprobs(model, kept, tokenizer.pad_token_id, ARGS.micro_batch_size, "old_logp")
         shuffle = torch.Generator().manual_seed(iteration)
         stats = loop.update(policy, optimizer, kept, kept_adv, tokenizer.pad_token_id, ARGS, shuffle)
         assert stats["gradient_steps"] == {1: 4, 2: 2}[iteration], stats  # ceil(kept / 4) x 2 epochs
