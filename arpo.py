@@ -152,7 +152,7 @@ class Rollout:
     """One response under construction: a path in the question's rollout tree."""
     question: int                                               # index of the question in the batch
     response_ids: list[int] = field(default_factory=list)       # generated + inserted tokens
-    policy_mask: list[int] = field(default_factory=list)        # 1 = policy token, 0 = <result> tokens
+    action_mask: list[int] = field(default_factory=list)        # 1 = policy token, 0 = <result> tokens
     old_logprobs: list[float] = field(default_factory=list)     # sampling log-probs (0 for results)
     h_initial: float | None = None      # step entropy of the first k tokens of the initial reasoning
     probe: bool = False                 # a result was just inserted: the next k tokens decide a fork
@@ -170,7 +170,7 @@ def fork(parent: Rollout, parent_index: int, at: int) -> Rollout:
     """A partial rollout sharing the parent's first `at` response tokens (its state at that point)."""
     child = copy.deepcopy(parent)
     child.response_ids = parent.response_ids[:at]
-    child.policy_mask = parent.policy_mask[:at]
+    child.action_mask = parent.action_mask[:at]
     child.old_logprobs = parent.old_logprobs[:at]
     child.parent, child.fork_point, child.probe, child.delta_h = parent_index, at, False, []
     child.shared_calls = dict(parent.tool_calls)  # a fork starts at the end of a result: all calls so far
@@ -219,7 +219,7 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
                     rollouts += [fork(r, i, start) for _ in range(z)]
                     size[r.question] += z
             r.response_ids += list(seg.token_ids)
-            r.policy_mask += [1] * len(seg.token_ids)
+            r.action_mask += [1] * len(seg.token_ids)
             r.old_logprobs += list(seg.logprobs)
             room = max_new_tokens - len(r.response_ids)
             tag = seg.stop_string[2:-1] if seg.finish_reason == "stop" and seg.stop_string else None
@@ -233,7 +233,7 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
                 result = result[:room]
                 r.tool_calls[tag] += 1
                 r.response_ids += result
-                r.policy_mask += [0] * len(result)  # environment tokens: no gradient
+                r.action_mask += [0] * len(result)  # environment tokens: no gradient
                 r.old_logprobs += [0.0] * len(result)
                 r.probe = True
                 if len(r.response_ids) >= max_new_tokens:
@@ -301,15 +301,15 @@ def batch_advantages(rollouts: list[Rollout], rewards: list[float], attribution:
     return out
 
 
-def ppo_dual_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                       num_tokens: float, clip_low: float, clip_high: float, dual_clip: float
+def ppo_dual_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                       weights: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All (B, T). Returns (sum of weighted per-token losses / num_tokens, number of clipped tokens).
+    """All (b, t). Returns (the sum of the weighted per-token losses, the number of clipped tokens).
 
     L = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); for A < 0 additionally bounded by -c A
-    (dual clip: a huge ratio on a negative-advantage token cannot blow the loss up). `mask` holds the
-    tokens' weights (`loss_weights`; 0 for tool results and padding); num_tokens is the sum of the
-    weights over the whole mini-batch, so micro-batches add up to its weighted mean."""
+    (dual clip: a huge ratio on a negative-advantage token cannot blow the loss up). `weights` are
+    the tokens' (`loss_weights`; 0 for tool results and padding); `update` divides the sum by the
+    weights' sum over the whole mini-batch, so micro-batches add up to its weighted mean."""
     ratio = torch.exp(logp - old_logp)
     loss1 = -adv * ratio
     loss2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -317,10 +317,10 @@ def ppo_dual_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Te
     dual = torch.minimum(clipped, -adv * dual_clip)
     per_token = torch.where(adv < 0, dual, clipped)
     is_clipped = ((loss2 > loss1) | ((adv < 0) & (dual < clipped))).float()
-    return (per_token * mask).sum() / num_tokens, (is_clipped * (mask > 0)).sum()
+    return (per_token * weights).sum(), (is_clipped * (weights > 0)).sum()
 
 
-def loss_weights(loss_mask: torch.Tensor, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_weights(action_mask: torch.Tensor, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token weights of the loss, (B, T-1), and what each row adds to the normaliser, (B,): the loss
     divides by the sum of the latter over the mini-batch (a whole number: exact on any number of ranks).
 
@@ -328,10 +328,10 @@ def loss_weights(loss_mask: torch.Tensor, loss_agg: str) -> tuple[torch.Tensor, 
     seq-mean-token-mean (the paper's objective, 1/G sum_i 1/|y_i| sum_t): weight 1/|y_i|, normaliser the
     number of responses. Only under the second does hard attribution change the gradient: a shared
     token's copies carry A_i / |y_i| (soft) or mean(A) / |y_i| (hard), whose sums differ when the |y_i| do."""
-    lengths = loss_mask.sum(1)  # (B,) policy tokens per response
+    lengths = action_mask.sum(1)  # (B,) policy tokens per response
     if loss_agg == "token-mean":
-        return loss_mask.clone(), lengths
-    return loss_mask / lengths.clamp(min=1)[:, None], (lengths > 0).to(loss_mask.dtype)
+        return action_mask.clone(), lengths
+    return action_mask / lengths.clamp(min=1)[:, None], (lengths > 0).to(action_mask.dtype)
 
 
 def resolve_loss_agg(args: Args) -> str:
@@ -435,92 +435,107 @@ def step_rng(seed: int, step: int) -> random.Random:
 
 def build_batch(prompts: list[list[int]], rollouts: list[Rollout], advantages: list[list[float]],
                 pad_id: int, device=None) -> dict[str, torch.Tensor]:
-    """One right-padded sequence per rollout: prompt + response. Targets are shifted by one:
-    position t of the (B, T-1) tensors scores token t+1. Only policy tokens of the response count.
-    On `device`: the policy's (on a GPU the forward refuses inputs left on the CPU).
+    """One right-padded sequence per rollout: prompt + response. Targets are shifted by one: position t
+    of the (B, T-1) tensors scores token t+1; `action_mask` is 1 on the response tokens the policy
+    sampled (0 on the prompt, the tool results and the padding). On `device`: the policy's (on a GPU
+    the forward refuses inputs left on the CPU).
 
-    No rollouts (a rank whose shard is empty under torchrun): one two-token row that counts nothing, so the
-    rank can still run the zero-weight forward/backward passes DDP waits for."""
+    No rollouts (a rank whose shard is empty under torchrun): one two-token row that counts nothing, so
+    the rank can still run the zero-weight forward/backward passes DDP waits for."""
     if not rollouts:
         return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long, device=device),
                 "attention_mask": torch.ones(1, 2, dtype=torch.long, device=device),
-                "loss_mask": torch.zeros(1, 1, device=device), "adv": torch.zeros(1, 1, device=device)}
+                "action_mask": torch.zeros(1, 1, device=device),
+                "adv": torch.zeros(1, 1, device=device)}
     seqs = [prompts[r.question] + r.response_ids for r in rollouts]
     t = max(map(len, seqs))
-    ids, attention, loss_mask, adv = [], [], [], []
+    ids, attention, action_mask, adv = [], [], [], []
     for seq, r, a in zip(seqs, rollouts, advantages, strict=True):
         before, pad = len(prompts[r.question]) - 1, t - len(seq)  # targets before the response; padding
         ids.append(seq + [pad_id] * pad)
         attention.append([1] * len(seq) + [0] * pad)
-        loss_mask.append([0.0] * before + [float(m) for m in r.policy_mask] + [0.0] * pad)  # results masked
+        action_mask.append([0.0] * before + [float(m) for m in r.action_mask] + [0.0] * pad)
         adv.append([0.0] * before + [float(x) for x in a] + [0.0] * pad)
     return {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),  # (B, T)
             "attention_mask": torch.tensor(attention, dtype=torch.long, device=device),  # (B, T)
-            "loss_mask": torch.tensor(loss_mask, device=device),  # (B, T-1)
+            "action_mask": torch.tensor(action_mask, device=device),  # (B, T-1), results masked
             "adv": torch.tensor(adv, device=device)}  # (B, T-1)
 
 
-def sequence_logprobs(model, batch: dict, rows, temperature: float) -> torch.Tensor:
-    """log pi(token) for rows of the batch, trimmed to their longest sequence: (b, t-1)."""
-    t = int(batch["attention_mask"][rows].sum(1).max())
-    return token_logprobs(model, batch["input_ids"][rows, :t], batch["attention_mask"][rows, :t],
+def micro_batch(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    """The given rows of every tensor of the batch."""
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """log pi(token) at every target of the batch, under softmax(logits / temperature), trimmed to its
+    longest sequence: (b, t-1). `batch["action_mask"]` says which of them the policy sampled."""
+    t = int(batch["attention_mask"].sum(1).max())
+    return token_logprobs(model, batch["input_ids"][:, :t], batch["attention_mask"][:, :t],
                           temperature=temperature)
 
 
 def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, reference=None) -> dict:
-    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16). With
-    --kl-coef the k3 KL to the initial policy joins the loss: `reference`, or with LoRA (None) the base
-    model, adapter off.
+    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16).
+    With --kl-coef the k3 KL to the initial policy joins the loss: `reference`, or with LoRA (None)
+    the base model, adapter off.
 
-    Under torchrun `batch` holds this rank's questions and `policy` is the DDP-wrapped model: a mini-batch
-    is this rank's share of the global one, the token-mean divides by the global policy-token count, and
-    the loss is multiplied by `dist.grad_scale()` because DDP averages gradients over ranks; so one
-    optimizer step is the same update on 1, 2 or 8 ranks. Every rank runs as many micro-batches
-    (`dist.same_count`: the padding ones re-read row 0 with weight 0)."""
+    Under torchrun `batch` holds this rank's questions and `policy` is the DDP-wrapped model: a
+    mini-batch is this rank's share of the global one, the token-mean divides by the global
+    policy-token count, and the loss is multiplied by `dist.grad_scale()` because DDP averages
+    gradients over ranks; so one optimizer step is the same update on 1, 2 or 8 ranks. Every rank runs
+    as many micro-batches (`dist.same_count`: the padding ones re-read row 0 with weight 0)."""
     b, size, kl_on = batch["input_ids"].shape[0], args.micro_batch_size, args.kl_coef > 0
     micro = lambda rows: dist.same_count([rows[i:i + size] for i in range(0, len(rows), size)], [0])
-    # pi_old: the policy that sampled the batch, recomputed under the training model as verl does. With one
-    # optimizer step per batch the policy is still pi_old during the update, so logp.detach() is the same
-    # number and the extra forward pass is skipped.
+    # pi_old: the policy that sampled the batch, recomputed under the training model as verl does.
+    # With one optimizer step per batch the policy is still pi_old during the update, so
+    # logp.detach() is the same number and the extra forward pass is skipped.
     recompute = args.minibatches > 1
     with torch.no_grad():
         batch["old_logp"] = torch.zeros_like(batch["adv"])
         batch["ref_logp"] = torch.zeros_like(batch["adv"])
         for rows, _ in micro(list(range(b))) if recompute or kl_on else []:
+            mb = micro_batch(batch, rows)
             if recompute:
-                lp = sequence_logprobs(policy, batch, rows, args.temperature)  # (b, t-1)
+                lp = action_logprobs(policy, mb, args.temperature)  # (b, t-1)
                 batch["old_logp"][rows, :lp.shape[1]] = lp
             if kl_on:  # pi_ref: the initial policy, frozen; with LoRA the base model, adapter off
                 ref = policy if reference is None else reference
-                with nullcontext() if reference is not None else models.unwrap(policy).disable_adapter():
-                    lp = sequence_logprobs(ref, batch, rows, args.temperature)
+                adapter_off = models.unwrap(policy).disable_adapter() if reference is None else None
+                with adapter_off or nullcontext():
+                    lp = action_logprobs(ref, mb, args.temperature)
                 batch["ref_logp"][rows, :lp.shape[1]] = lp
     order = list(range(b))
     rng.shuffle(order)
     stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "grad_norm": 0.0}
-    token_weight, units = loss_weights(batch["loss_mask"], resolve_loss_agg(args))  # (B, T-1), (B,)
+    # (B, T-1) token weights, (B,) each row's share of the normaliser
+    token_weight, units = loss_weights(batch["action_mask"], resolve_loss_agg(args))
     policy.train()
     for rows_mb in np.array_split(order, args.minibatches):  # exactly `minibatches` on every rank
         rows_mb = rows_mb.tolist()
-        # weighted mean over the (global) mini-batch: every rank divides by the same count (tokens/responses)
-        num_tokens = max(1.0, dist.all_reduce(units[rows_mb].sum().item()))
+        # the weighted mean over the (global) mini-batch: every rank divides by the same count
+        # (tokens or responses)
+        normaliser = max(1.0, dist.all_reduce(units[rows_mb].sum().item()))
         for rows, weight in micro(rows_mb):
             # all-zero advantages (e.g. every rollout -1) give exactly zero gradient: skipped, jointly
             active = weight > 0 and (kl_on or bool(batch["adv"][rows].any()))
             if not dist.all_reduce(int(active), "max"):
                 continue
-            logp = sequence_logprobs(policy, batch, rows, args.temperature)  # (b, t-1)
+            mb = micro_batch(batch, rows)
+            logp = action_logprobs(policy, mb, args.temperature)  # (b, t-1)
             t = logp.shape[1]
-            mask, adv = token_weight[rows, :t] * weight, batch["adv"][rows, :t]
-            old_logp = batch["old_logp"][rows, :t] if recompute else logp.detach()
-            loss, clipped = ppo_dual_clip_loss(logp, old_logp, adv, mask, num_tokens,
-                                               args.clip_low, args.clip_high, args.dual_clip)
+            weights, adv = token_weight[rows, :t] * weight, mb["adv"][:, :t]
+            old_logp = mb["old_logp"][:, :t] if recompute else logp.detach()
+            loss_sum, clipped = ppo_dual_clip_loss(logp, old_logp, adv, weights, args.clip_low,
+                                                   args.clip_high, args.dual_clip)
+            loss = loss_sum / normaliser
             if kl_on:  # k3 estimator of KL(pi || ref), aggregated as the loss
-                log_r = batch["ref_logp"][rows, :t] - logp
-                kl = ((torch.exp(log_r) - log_r - 1) * mask).sum() / num_tokens
+                log_r = mb["ref_logp"][:, :t] - logp
+                kl = ((torch.exp(log_r) - log_r - 1) * weights).sum() / normaliser
                 loss = loss + args.kl_coef * kl
                 stats["kl"] += kl.item()
-            (loss * dist.grad_scale()).backward()  # weight 0: mask 0, a zero gradient the ranks still sum
+            # weight 0: mask 0, a zero gradient the ranks still sum
+            (loss * dist.grad_scale()).backward()
             stats["loss"] += loss.item()
             stats["clipped"] += clipped.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -528,20 +543,21 @@ def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, refer
         optimizer.zero_grad(set_to_none=True)
         stats["grad_norm"] += float(grad_norm)
     policy.eval()
-    total = max(1.0, dist.all_reduce(batch["loss_mask"].sum().item()))
-    loss, clipped, kl = (dist.all_reduce(stats[k]) for k in ("loss", "clipped", "kl"))  # sums of shares
+    total = max(1.0, dist.all_reduce(batch["action_mask"].sum().item()))
+    # sums of the ranks' shares
+    loss, clipped, kl = (dist.all_reduce(stats[k]) for k in ("loss", "clipped", "kl"))
     return {"loss": loss / args.minibatches, "clip_fraction": clipped / total,
             "kl": kl / args.minibatches, "grad_norm": stats["grad_norm"] / args.minibatches}
 
 
 def demo_rollout(tokenizer, segments: list[tuple[str, int]], question: int = 0) -> Rollout:
     """The demonstration as a Rollout: segments tokenized one by one, as the rollout concatenates them, and
-    `policy_mask` 0 on the result tokens -- so `build_batch` masks them exactly as in the RL loss."""
+    `action_mask` 0 on the result tokens -- so `build_batch` masks them exactly as in the RL loss."""
     r = Rollout(question)
     for text, policy in segments:
         ids = tokenizer.encode(text, add_special_tokens=False)
         r.response_ids += ids
-        r.policy_mask += [policy] * len(ids)
+        r.action_mask += [policy] * len(ids)
     return r
 
 
@@ -570,8 +586,8 @@ def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
     batch = build_batch(prompts, demos, unused, r.tokenizer.pad_token_id, device=r.device)  # all of them
 
     def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # the expert's tokens, results masked
-        logp = sequence_logprobs(r.policy, batch, rows, 1.0)  # (b, t-1)
-        mask = batch["loss_mask"][rows, :logp.shape[1]]
+        logp = action_logprobs(r.policy, micro_batch(batch, rows), 1.0)  # (b, t-1)
+        mask = batch["action_mask"][rows, :logp.shape[1]]
         return (logp * mask).sum(), mask.sum().item()
 
     def permute(n: int) -> list[int]:  # each epoch's order, from the stream that chose the questions
@@ -594,8 +610,8 @@ def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[d
     out = {"rollouts": len(rollouts), "reward_mean": float(np.mean(rewards)),
            "success_rate": float(np.mean([bool(i.get("won", False)) for i in infos])),
            "format_error_rate": float(np.mean([rw <= -1 for rw in rewards])),
-           "num_tokens": sum(sum(r.policy_mask) for r in rollouts),
-           "result_tokens": sum(len(r.policy_mask) - sum(r.policy_mask) for r in rollouts),
+           "num_tokens": sum(sum(r.action_mask) for r in rollouts),
+           "result_tokens": sum(len(r.action_mask) - sum(r.action_mask) for r in rollouts),
            "forks_per_question": sum(r.parent is not None for r in rollouts) / num_questions,
            "tool_limit_rate": float(np.mean([r.finish == "tool_limit" for r in rollouts])),
            "empty_call_rate": float(np.mean([r.finish == "empty_call" for r in rollouts]))}
@@ -627,7 +643,7 @@ def evaluate(generator, tokenizer, env, tasks: list, args: Args, stage: str) -> 
     rollouts = rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed), greedy=True)
     rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
     run.write_transcripts(args, stage, [run.transcript(
-        tokenizer, prompts[r.question] + r.response_ids, [0] * len(prompts[r.question]) + r.policy_mask,
+        tokenizer, prompts[r.question] + r.response_ids, [0] * len(prompts[r.question]) + r.action_mask,
         task=tasks[r.question], won=info.get("won"), reward=reward)
         for r, reward, info in zip(rollouts, rewards, infos, strict=True)])
     m = rollout_metrics(rollouts, rewards, infos, len(tasks))
