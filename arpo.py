@@ -475,6 +475,14 @@ def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -
                           temperature=temperature)
 
 
+def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref), e^x - x - 1 with x = log pi_ref - log pi_theta,
+    clamped to [-10, 10]. Exactly the authors' verl fork (their scripts: kl_loss_type=low_var_kl, with
+    coefficient 0; core_algos.py `kl_penalty`), which, unlike later verl, does not also clamp x."""
+    log_ratio = ref_logp - logp
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+
+
 def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, reference=None) -> dict:
     """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16).
     With --kl-coef the k3 KL to the initial policy joins the loss: `reference`, or with LoRA (None)
@@ -529,9 +537,8 @@ def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, refer
             loss_sum, clipped = ppo_dual_clip_loss(logp, old_logp, adv, weights, args.clip_low,
                                                    args.clip_high, args.dual_clip)
             loss = loss_sum / normaliser
-            if kl_on:  # k3 estimator of KL(pi || ref), aggregated as the loss
-                log_r = mb["ref_logp"][:, :t] - logp
-                kl = ((torch.exp(log_r) - log_r - 1) * weights).sum() / normaliser
+            if kl_on:  # KL(pi || ref), aggregated as the loss
+                kl = (low_var_kl(logp, mb["ref_logp"][:, :t]) * weights).sum() / normaliser
                 loss = loss + args.kl_coef * kl
                 stats["kl"] += kl.item()
             # weight 0: mask 0, a zero gradient the ranks still sum

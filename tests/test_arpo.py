@@ -697,6 +697,16 @@ def test_fork_decision_reads_the_chosen_estimator():
 
 
 # ---------------------------------------------------------------------------------------------------
+def test_low_var_kl_is_k3_clamped_as_the_authors_verl():
+    # k3 = e^x - x - 1, x = log ref - log pi: 0 where they agree, e^-1 at x = -1; at x = 20 clamped to 10
+    logp, ref = torch.tensor([-0.5, -1.0, -20.0]), torch.tensor([-0.5, -2.0, 0.0])
+    assert arpo.low_var_kl(logp, ref).tolist() == pytest.approx([0.0, math.exp(-1.0), 10.0])
+    # below the clamp the gradient is k3's, d/dlogp = 1 - e^x; a clamped token gets none
+    logp = torch.tensor([-1.0, -20.0], requires_grad=True)
+    arpo.low_var_kl(logp, torch.tensor([-2.0, 0.0])).sum().backward()
+    assert logp.grad.tolist() == pytest.approx([1 - math.exp(-1.0), 0.0])
+
+
 # hard attribution under the paper's objective
 
 
