@@ -356,7 +356,7 @@ def last_tool_call(text: str, tag: str) -> str:
 
 def execute_tool(env, tag: str, content: str) -> str:
     """Run one tool call through the environment (python: the sandbox; search: the offline corpus)."""
-    if not hasattr(env, "execute_tool"):  # e.g. the toy env of the tests: no tools to call
+    if not hasattr(env, "execute_tool"):  # the toy env (`TOOLLESS_ENVS`): build_envs refuses others
         return "error: this environment has no tools"
     return env.execute_tool(tag, content)
 
@@ -659,15 +659,36 @@ def evaluate(generator, tokenizer, env, tasks: list, args: Args, stage: str) -> 
             "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
 
 
-def build_envs(args: Args) -> tuple:
+@dataclass
+class Envs:
     """The environment (one: ARPO scores whole responses) and its train / held-out tasks."""
-    options = {"turns": 1} if args.env == "toy" else {}  # one response per question: the toy game in one turn
-    if args.env in ("tools", "search"):  # the envs with a retriever
+    env: object
+    train_tasks: list
+    eval_tasks: list
+
+
+TOOLLESS_ENVS = ("toy",)  # the tests' fast game: built with turns=1, one response scored in one step
+
+
+def build_envs(args: Args) -> Envs:
+    """The environment and its tasks, before the model loads (a bad --env: one line, no load).
+
+    ARPO writes one response per question, runs each tool call in it through `env.execute_tool` and
+    scores the whole response in one `env.step`. An env without that hook (a multi-turn game, the
+    Search-R1 env) would answer every call with an error and score the response as its first turn:
+    it is refused. The toy env is admitted by name (`TOOLLESS_ENVS`): one turn, no tools."""
+    options = {"turns": 1} if args.env == "toy" else {}  # one response per question: one toy turn
+    if args.env == "tools":  # its retriever
         options["topk"] = args.search_topk
     if args.env == "tools" and args.unsafe_python:
         options["unsafe_python"] = True
     env, _, train_tasks, eval_tasks = run.make_env(args, **options)  # --env-options win over these
-    return env, train_tasks, eval_tasks
+    if args.env in TOOLLESS_ENVS and getattr(env, "turns", 1) != 1:
+        raise SystemExit(f"arpo.py: --env {args.env!r}: ARPO plays it in one step; leave its turns at 1")
+    if args.env not in TOOLLESS_ENVS and not hasattr(env, "execute_tool"):
+        raise SystemExit(f"arpo.py: --env {args.env!r} has no execute_tool hook: ARPO runs the tool "
+                         "calls of one response through it (use --env tools)")
+    return Envs(env, train_tasks, eval_tasks)
 
 
 def summary(extra: dict, n_questions: int, args: Args) -> dict:
@@ -680,33 +701,46 @@ def summary(extra: dict, n_questions: int, args: Args) -> dict:
             for k, v in (("eval", "success_rate"), ("reward", "reward_mean"))}
 
 
+def step_questions(train_tasks: list, args: Args, step: int) -> list:
+    """Step n's --tasks-per-step questions, in order through the training set: the same list on every
+    rank, of which each rank rolls out its share of whole questions (`dist.shard`)."""
+    first = (step - 1) * args.tasks_per_step
+    return dist.shard([train_tasks[(first + i) % len(train_tasks)] for i in range(args.tasks_per_step)])
+
+
+def overruns(args: Args, step: int, t_start: float, step_times: list[float], t_eval: float) -> bool:
+    """--max-minutes: would the next step and the final evaluation overrun? The same on every rank."""
+    late = lambda: time.time() - t_start + np.mean(step_times) + t_eval > 60 * args.max_minutes
+    return bool(dist.all_reduce(int(args.max_minutes > 0 and step < args.steps and late()), "max"))
+
+
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     t_start = time.time()
     args = run.parse(Args, argv, PRESETS, check_args)
-    if args.dry_run:  # a sequence: the question prompt (the tools prompts: 115-152 tokens) + the response
+    if args.dry_run:  # a sequence: the question prompt (the tools prompts: 115-152 tokens) + response
         return run.dry_run(args, 256 + args.max_new_tokens, "256 prompt tokens + --max-new-tokens")
-    env, train_tasks, eval_tasks = build_envs(args)  # before the model: errors cost no load
+    envs = build_envs(args)  # before the model: errors cost no load
+    env = envs.env
     r = run.setup(args, desc=f"arpo[{args.rollout}]")
-    held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, env, eval_tasks, args,
-                                                          stage))
+    held_out = lambda stage: run.on_main(
+        lambda: evaluate(r.generator, r.tokenizer, env, envs.eval_tasks, args, stage))
     t_eval = 0.0  # an evaluation's time, for --max-minutes
-    if r.start_step == 0:  # a resumed run has done these: r.extra holds their results
+    if "base" not in r.extra:  # a resumed run has done these: r.extra holds their results
         t_eval, r.extra["base"] = time.time(), held_out("base")
         t_eval = time.time() - t_eval
         r.logger.log({"step": 0, **r.extra["base"]})
-        if args.cold_start and (log := cold_start(r, env, train_tasks, args)):  # {}: it had no demonstration
-            run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
-            r.extra["cold_start"] = held_out("cold_start")
-            r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
-                                              for k, v in r.extra["cold_start"].items()}})
-    line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL started (or resumed)
+    if args.cold_start and "cold_start" not in r.extra and (
+            log := cold_start(r, env, envs.train_tasks, args)):  # {}: it had no demonstration
+        run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
+        r.extra["cold_start"] = held_out("cold_start")
+        r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
+                                          for k, v in r.extra["cold_start"].items()}})
+    line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
     for step in range(r.start_step + 1, args.steps + 1):
         t0, rng = time.time(), step_rng(args.seed, step)
-        # 1. the step's questions (the same list on every rank; each rank rolls out whole questions), each
-        # question's rollout tree of M responses
-        tasks = dist.shard([train_tasks[((step - 1) * args.tasks_per_step + i) % len(train_tasks)]
-                            for i in range(args.tasks_per_step)])
+        # 1. the step's questions, each question's rollout tree of M responses
+        tasks = step_questions(envs.train_tasks, args, step)
         prompts = [build_prompt(r.tokenizer, *env.reset(t)) for t in tasks]
         rollouts = rollout(r.generator, r.tokenizer, env, prompts, args, rng)
         t_rollout = time.time() - t0
@@ -726,9 +760,7 @@ def main(argv: list[str] | None = None) -> dict:
             line.update(held_out(f"step_{step}"))
         r.logger.log(line)
         step_times.append(time.time() - t0)
-        # --max-minutes: stop when the next step and the final evaluation would overrun (every rank alike)
-        stop = dist.all_reduce(int(args.max_minutes > 0 and step < args.steps and time.time() - t_start
-                                   + np.mean(step_times) + t_eval > 60 * args.max_minutes), "max")
+        stop = overruns(args, step, t_start, step_times, t_eval)
         if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
         if stop:
@@ -738,7 +770,7 @@ def main(argv: list[str] | None = None) -> dict:
     r.extra["rl"] = held_out("rl")
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
-    final = {**line, **r.extra["rl"], **summary(r.extra, len(eval_tasks), args)}
+    final = {**line, **r.extra["rl"], **summary(r.extra, len(envs.eval_tasks), args)}
     dist.cleanup()
     return final
 

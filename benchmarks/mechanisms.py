@@ -208,7 +208,7 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
     folder = os.path.join(root, "arpo_cold_start_model")
     args = run.parse(arpo.Args, flags, arpo.PRESETS, arpo.check_args)
     cold_start_model(args, folder)
-    env, _, _ = arpo.build_envs(args)
+    env = arpo.build_envs(args).env
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:questions]

@@ -482,7 +482,7 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
 def test_search_topk_sets_the_passages_per_search_result():
     # --env-options, the user's, win over the script's own options
     for argv, passages in (([], 1), (["--search-topk", "3"], 3), (["--env-options", '{"topk": 2}'], 2)):
-        env, _, _ = arpo.build_envs(run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args))
+        env = arpo.build_envs(run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args)).env
         result = env.execute_tool("search", "population of the city of Quibri")
         assert [line.startswith(f"Doc {i + 1} ") for i, line in enumerate(result.splitlines())] == \
             [True] * passages, result
@@ -616,11 +616,14 @@ def test_environment_without_seed_is_built_and_a_missing_package_names_its_insta
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the environment was built")
     monkeypatch.setattr(models, "load_policy", no_model)
+    class ToolToy(toy.ToyEnv):  # a one-step env with the tool hook ARPO needs
+        def execute_tool(self, tag: str, content: str) -> str:
+            return "42"
+
     # an environment whose factory takes no seed (as alfworld's): built without one
-    monkeypatch.setitem(base._REGISTRY, "seedless", lambda: toy.ToyEnv(turns=1))
-    args = run.parse(arpo.Args, ["--env", "seedless", "--eval-tasks", "3"], arpo.PRESETS)
-    env, train, held_out = arpo.build_envs(args)
-    assert isinstance(env, toy.ToyEnv) and len(held_out) == 3 and train
+    monkeypatch.setitem(base._REGISTRY, "seedless", lambda: ToolToy(turns=1))
+    envs = arpo.build_envs(run.parse(arpo.Args, ["--env", "seedless", "--eval-tasks", "3"], arpo.PRESETS))
+    assert isinstance(envs.env, ToolToy) and len(envs.eval_tasks) == 3 and envs.train_tasks
 
     def missing(**options):
         raise ImportError("Foo is not installed; set it up with: pip install foo")
@@ -631,6 +634,27 @@ def test_environment_without_seed_is_built_and_a_missing_package_names_its_insta
         with pytest.raises(SystemExit) as e:
             arpo.main(["--env", "alfworld", "--out", str(tmp_path / "b")])
         assert "pip install alfworld" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_an_env_without_the_tool_hook_is_refused_in_one_line_before_the_model_loads(monkeypatch, tmp_path):
+    # issue 46: ARPO runs a response's tool calls through env.execute_tool and scores the response in one
+    # env.step; an env without the hook used to answer every call with an error and play one turn
+    from envs import base, toy
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the environment was checked")
+    monkeypatch.setattr(models, "load_policy", no_model)
+    monkeypatch.setitem(base._REGISTRY, "no-tools", lambda seed=0: toy.ToyEnv(turns=2, seed=seed))
+    two_turn_toy = ["--env", "toy", "--env-options", '{"turns": 2}']
+    for argv, says in ((["--env", "no-tools"], r"^arpo.py: --env 'no-tools' has no execute_tool hook"),
+                       (two_turn_toy, r"^arpo.py: --env 'toy': .*turns")):
+        with pytest.raises(SystemExit, match=says) as e:
+            arpo.main([*argv, "--model", "tiny-random", "--out", str(tmp_path / "run")])
+        assert "\n" not in str(e.value.code)
+    # the toy env, the tests' fast game, is admitted by name: one turn, no tools
+    envs = arpo.build_envs(run.parse(arpo.Args, ["--env", "toy"], arpo.PRESETS))
+    assert envs.env.turns == 1 and not hasattr(envs.env, "execute_tool")
+    assert arpo.execute_tool(envs.env, "python", "print(1)") == "error: this environment has no tools"
 
 
 # ---------------------------------------------------------------------------------------------------
