@@ -208,7 +208,7 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
     folder = os.path.join(root, "arpo_cold_start_model")
     args = run.parse(arpo.Args, flags, arpo.PRESETS, arpo.check_args)
     cold_start_model(args, folder)
-    env, _, _ = arpo.build_envs(args)
+    env = arpo.build_envs(args).env
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:questions]
@@ -242,9 +242,9 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
 
     soft_adv, hard_adv = (arpo.batch_advantages(rollouts, rewards, a) for a in ("soft", "hard"))
     out["tokens_hard_advantage_differs"] = sum(
-        sum(m and abs(h - s) > 1e-9 for m, h, s in zip(r.policy_mask, hr, sr, strict=True))
+        sum(m and abs(h - s) > 1e-9 for m, h, s in zip(r.action_mask, hr, sr, strict=True))
         for r, hr, sr in zip(rollouts, hard_adv, soft_adv, strict=True))
-    out["policy_tokens"] = sum(sum(r.policy_mask) for r in rollouts)
+    out["policy_tokens"] = sum(sum(r.action_mask) for r in rollouts)
     out["forked_questions_with_unequal_rewards"] = sum(
         len({rewards[i] for i, r in enumerate(rollouts) if r.question == q}) > 1
         for q in {r.question for r in rollouts if r.parent is not None})

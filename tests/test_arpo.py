@@ -104,7 +104,7 @@ def test_budget_invariant_on_random_trees(seed):
         assert sum(r.question == q for r in rollouts) == m
     assert all(r.done for r in rollouts)
     for r in rollouts:
-        assert len(r.response_ids) == len(r.policy_mask) == len(r.old_logprobs)
+        assert len(r.response_ids) == len(r.action_mask) == len(r.old_logprobs)
         assert len(r.response_ids) <= 80
         if r.parent is None:
             continue
@@ -113,10 +113,10 @@ def test_budget_invariant_on_random_trees(seed):
         assert parent.question == r.question
         # the fork's prefix is the parent's, token for token, up to the fork point ...
         assert r.response_ids[:at] == parent.response_ids[:at]
-        assert r.policy_mask[:at] == parent.policy_mask[:at]
+        assert r.action_mask[:at] == parent.action_mask[:at]
         assert r.old_logprobs[:at] == parent.old_logprobs[:at]
         # ... and the fork point is right after a tool result (environment tokens end there)
-        assert at > 0 and parent.policy_mask[at - 1] == 0
+        assert at > 0 and parent.action_mask[at - 1] == 0
 
 
 def test_global_rollout_never_forks():
@@ -189,7 +189,7 @@ def test_tool_call_limit_ends_the_response():
                                  generate_segments=gen, run_tool=lambda r, t: [9, 9], rng=random.Random(0))
     # 2 calls answered (1 2 | 9 9) x 2, the third closing tag ends the response without a result
     assert r.response_ids == [1, 2, 9, 9, 1, 2, 9, 9, 1, 2]
-    assert r.policy_mask == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
+    assert r.action_mask == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
     assert r.tool_calls == {"python": 0, "search": 2} and r.finish == "tool_limit"
 
 
@@ -274,22 +274,22 @@ def test_dual_clip_loss_hand_computed():
     old = torch.zeros(1, 4)
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     mask = torch.ones(1, 4)
-    loss, clipped = arpo.ppo_dual_clip_loss(logp, old, adv, mask, num_tokens=4, clip_low=0.2, clip_high=0.2,
-                                            dual_clip=3.0)
-    expected = (-1.0 - 1.2 + 3.0 + 0.8) / 4
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss_sum, clipped = arpo.ppo_dual_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                                                dual_clip=3.0)
+    expected = -1.0 - 1.2 + 3.0 + 0.8  # the sum: `update` divides by the mini-batch's token count
+    assert loss_sum.item() == pytest.approx(expected, rel=1e-6)
     assert clipped.item() == 3
-    # masked tokens do not count; num_tokens is the batch's token count (token-mean)
+    # masked tokens do not count
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
-    loss, _ = arpo.ppo_dual_clip_loss(logp, old, adv, mask, 2, 0.2, 0.2, 3.0)
-    assert loss.item() == pytest.approx((-1.0 + 0.8) / 2, rel=1e-6)
+    loss_sum, _ = arpo.ppo_dual_clip_loss(logp, old, adv, mask, 0.2, 0.2, 3.0)
+    assert loss_sum.item() == pytest.approx(-1.0 + 0.8, rel=1e-6)
 
 
 def test_result_tokens_get_no_gradient():
     logp = torch.tensor([[-0.3, -0.2, -0.1, -0.4]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])  # tokens 1, 2 are a <result> block
-    loss, _ = arpo.ppo_dual_clip_loss(logp, logp.detach(), torch.ones(1, 4), mask, 2, 0.2, 0.2, 3.0)
-    loss.backward()
+    loss_sum, _ = arpo.ppo_dual_clip_loss(logp, logp.detach(), torch.ones(1, 4), mask, 0.2, 0.2, 3.0)
+    (loss_sum / 2).backward()  # token-mean over the 2 policy tokens
     assert logp.grad[0, 1] == 0 and logp.grad[0, 2] == 0
     # ratio 1 -> d(-A rho)/d logp = -A rho / N = -1/2 on the policy tokens
     assert logp.grad[0, 0].item() == pytest.approx(-0.5) and logp.grad[0, 3].item() == pytest.approx(-0.5)
@@ -333,9 +333,9 @@ def test_rollout_on_tools_env_with_scripted_policy():
     assert [r.parent for r in rollouts] == [None, 0, 0, 0]
     root = rollouts[0]
     n_call = len(tokenizer.encode(call, add_special_tokens=False))
-    result = [t for t, m in zip(root.response_ids, root.policy_mask, strict=True) if m == 0]
+    result = [t for t, m in zip(root.response_ids, root.action_mask, strict=True) if m == 0]
     assert tokenizer.decode(result) == " <result>\n270073283\n</result>"  # the sandbox ran the code
-    assert root.policy_mask[:n_call] == [1] * n_call
+    assert root.action_mask[:n_call] == [1] * n_call
     assert all(r.fork_point == n_call + len(result) for r in rollouts[1:])
     # a fork re-submits the shared prefix (prompt + call + result) and generates only its own answer
     assert sum(p == prompt + root.response_ids[:n_call + len(result)] for p in seen) == 4
@@ -482,7 +482,7 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
 def test_search_topk_sets_the_passages_per_search_result():
     # --env-options, the user's, win over the script's own options
     for argv, passages in (([], 1), (["--search-topk", "3"], 3), (["--env-options", '{"topk": 2}'], 2)):
-        env, _, _ = arpo.build_envs(run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args))
+        env = arpo.build_envs(run.parse(arpo.Args, argv, arpo.PRESETS, arpo.check_args)).env
         result = env.execute_tool("search", "population of the city of Quibri")
         assert [line.startswith(f"Doc {i + 1} ") for i, line in enumerate(result.splitlines())] == \
             [True] * passages, result
@@ -504,7 +504,7 @@ def test_cold_start_trains_on_the_expert_tokens_only(monkeypatch):
     segments = [("<think>a</think>\n<python>print(1)</python>", 1), (" <result>\n1\n</result>", 0),
                 ("\n<answer>\\boxed{1}</answer>", 1)]
     demo = arpo.demo_rollout(tokenizer, segments)
-    masked = [t for t, m in zip(demo.response_ids, demo.policy_mask, strict=True) if m == 0]
+    masked = [t for t, m in zip(demo.response_ids, demo.action_mask, strict=True) if m == 0]
     assert tokenizer.decode(masked) == " <result>\n1\n</result>"
     # the cold start on one tools question, lr 0: the weights stay put and run.sft's loss is the NLL of the
     # expert's tokens under the model, the result block left out
@@ -523,7 +523,7 @@ def test_cold_start_trains_on_the_expert_tokens_only(monkeypatch):
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)  # (T-1, V)
     p = len(prompt)
-    nll = [-logp[p - 1 + i, tok].item() for i, (tok, m) in enumerate(zip(demo.response_ids, demo.policy_mask,
+    nll = [-logp[p - 1 + i, tok].item() for i, (tok, m) in enumerate(zip(demo.response_ids, demo.action_mask,
                                                                          strict=True)) if m == 1]
     every = [-logp[p - 1 + i, tok].item() for i, tok in enumerate(demo.response_ids)]
     assert losses == [pytest.approx(sum(nll) / len(nll), rel=1e-4)]
@@ -616,11 +616,14 @@ def test_environment_without_seed_is_built_and_a_missing_package_names_its_insta
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the environment was built")
     monkeypatch.setattr(models, "load_policy", no_model)
+    class ToolToy(toy.ToyEnv):  # a one-step env with the tool hook ARPO needs
+        def execute_tool(self, tag: str, content: str) -> str:
+            return "42"
+
     # an environment whose factory takes no seed (as alfworld's): built without one
-    monkeypatch.setitem(base._REGISTRY, "seedless", lambda: toy.ToyEnv(turns=1))
-    args = run.parse(arpo.Args, ["--env", "seedless", "--eval-tasks", "3"], arpo.PRESETS)
-    env, train, held_out = arpo.build_envs(args)
-    assert isinstance(env, toy.ToyEnv) and len(held_out) == 3 and train
+    monkeypatch.setitem(base._REGISTRY, "seedless", lambda: ToolToy(turns=1))
+    envs = arpo.build_envs(run.parse(arpo.Args, ["--env", "seedless", "--eval-tasks", "3"], arpo.PRESETS))
+    assert isinstance(envs.env, ToolToy) and len(envs.eval_tasks) == 3 and envs.train_tasks
 
     def missing(**options):
         raise ImportError("Foo is not installed; set it up with: pip install foo")
@@ -631,6 +634,27 @@ def test_environment_without_seed_is_built_and_a_missing_package_names_its_insta
         with pytest.raises(SystemExit) as e:
             arpo.main(["--env", "alfworld", "--out", str(tmp_path / "b")])
         assert "pip install alfworld" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_an_env_without_the_tool_hook_is_refused_in_one_line_before_the_model_loads(monkeypatch, tmp_path):
+    # issue 46: ARPO runs a response's tool calls through env.execute_tool and scores the response in one
+    # env.step; an env without the hook used to answer every call with an error and play one turn
+    from envs import base, toy
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the environment was checked")
+    monkeypatch.setattr(models, "load_policy", no_model)
+    monkeypatch.setitem(base._REGISTRY, "no-tools", lambda seed=0: toy.ToyEnv(turns=2, seed=seed))
+    two_turn_toy = ["--env", "toy", "--env-options", '{"turns": 2}']
+    for argv, says in ((["--env", "no-tools"], r"^arpo.py: --env 'no-tools' has no execute_tool hook"),
+                       (two_turn_toy, r"^arpo.py: --env 'toy': .*turns")):
+        with pytest.raises(SystemExit, match=says) as e:
+            arpo.main([*argv, "--model", "tiny-random", "--out", str(tmp_path / "run")])
+        assert "\n" not in str(e.value.code)
+    # the toy env, the tests' fast game, is admitted by name: one turn, no tools
+    envs = arpo.build_envs(run.parse(arpo.Args, ["--env", "toy"], arpo.PRESETS))
+    assert envs.env.turns == 1 and not hasattr(envs.env, "execute_tool")
+    assert arpo.execute_tool(envs.env, "python", "print(1)") == "error: this environment has no tools"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -697,15 +721,25 @@ def test_fork_decision_reads_the_chosen_estimator():
 
 
 # ---------------------------------------------------------------------------------------------------
+def test_low_var_kl_is_k3_clamped_as_the_authors_verl():
+    # k3 = e^x - x - 1, x = log ref - log pi: 0 where they agree, e^-1 at x = -1; at x = 20 clamped to 10
+    logp, ref = torch.tensor([-0.5, -1.0, -20.0]), torch.tensor([-0.5, -2.0, 0.0])
+    assert arpo.low_var_kl(logp, ref).tolist() == pytest.approx([0.0, math.exp(-1.0), 10.0])
+    # below the clamp the gradient is k3's, d/dlogp = 1 - e^x; a clamped token gets none
+    logp = torch.tensor([-1.0, -20.0], requires_grad=True)
+    arpo.low_var_kl(logp, torch.tensor([-2.0, 0.0])).sum().backward()
+    assert logp.grad.tolist() == pytest.approx([1 - math.exp(-1.0), 0.0])
+
+
 # hard attribution under the paper's objective
 
 
 def crafted_tree() -> tuple[list, list[float]]:
     """Rollout 0 = [a, b, b]; rollout 1 forked from it after a: [a, c]; rollout 2 = [d], its own tree.
     Rewards 1, 0.5, 0: mean 0.5, unbiased std 0.5, so A = (1, 0, -1)."""
-    return [arpo.Rollout(0, response_ids=[11, 12, 12], policy_mask=[1, 1, 1]),
-            arpo.Rollout(0, response_ids=[11, 14], policy_mask=[1, 1], parent=0, fork_point=1),
-            arpo.Rollout(0, response_ids=[15], policy_mask=[1])], [1.0, 0.5, 0.0]
+    return [arpo.Rollout(0, response_ids=[11, 12, 12], action_mask=[1, 1, 1]),
+            arpo.Rollout(0, response_ids=[11, 14], action_mask=[1, 1], parent=0, fork_point=1),
+            arpo.Rollout(0, response_ids=[15], action_mask=[1])], [1.0, 0.5, 0.0]
 
 
 def test_hard_attribution_changes_the_gradient_only_under_the_paper_objective():
@@ -731,8 +765,8 @@ def test_hard_attribution_changes_the_gradient_only_under_the_paper_objective():
             adv[i, :len(a)] = torch.tensor(a)
         weight, units = arpo.loss_weights(mask.double(), agg)
         assert units.sum().item() == (6 if agg == "token-mean" else 3)  # tokens, or responses
-        loss, _ = arpo.ppo_dual_clip_loss(logp, logp.detach(), adv, weight, units.sum().item(), 0.2, 0.2, 3.0)
-        loss.backward()
+        loss_sum, _ = arpo.ppo_dual_clip_loss(logp, logp.detach(), adv, weight, 0.2, 0.2, 3.0)
+        (loss_sum / units.sum().item()).backward()
         assert theta.grad.tolist() == pytest.approx(grad, rel=1e-5, abs=1e-9), (attribution, agg)
     # --attribution hard alone takes the paper's objective; soft keeps the code's token mean
     assert arpo.resolve_loss_agg(arpo.Args(attribution="hard")) == "seq-mean-token-mean"
@@ -781,8 +815,8 @@ def test_lora_kl_reference_is_the_base_model_with_the_adapter_off():
     stats = arpo.update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch,
                         arpo.Args(kl_coef=0.1, lora_rank=4), random.Random(0))
     with torch.no_grad():
-        expected = arpo.sequence_logprobs(base.eval(), batch, [0, 1, 2], 1.0)  # (3, t-1)
-        adapted = arpo.sequence_logprobs(model, batch, [0, 1, 2], 1.0)  # the adapter is on again
+        expected = arpo.action_logprobs(base.eval(), batch, 1.0)  # (3, t-1)
+        adapted = arpo.action_logprobs(model, batch, 1.0)  # the adapter is on again
     assert torch.equal(batch["ref_logp"], expected)
     assert not torch.allclose(adapted, expected) and stats["kl"] > 0
 
@@ -855,7 +889,7 @@ def test_an_empty_tool_call_ends_the_rollout_with_a_format_error(monkeypatch):
         assert len(ran) == calls_run
         if calls_run == 0:
             assert [r.finish for r in rollouts] == ["empty_call"] * 2
-            assert all(all(r.policy_mask) for r in rollouts)
+            assert all(all(r.action_mask) for r in rollouts)
             assert tokenizer.decode(rollouts[0].response_ids) == call  # no result inserted, nothing more
             assert arpo.score_rollouts(env, [task], rollouts, tokenizer)[0] == [-1.0, -1.0]
             assert arpo.rollout_metrics(rollouts, [-1.0] * 2, [{}] * 2, 1)["empty_call_rate"] == 1.0

@@ -56,8 +56,8 @@ def test_arpo_update_and_cold_start_feed_the_model_on_its_device(tiny, default_d
     checked(arpo)
     model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
     device = next(model.parameters()).device
-    rollouts = [arpo.Rollout(0, response_ids=[11, 12, 12], policy_mask=[1, 0, 1]),
-                arpo.Rollout(0, response_ids=[15], policy_mask=[1])]
+    rollouts = [arpo.Rollout(0, response_ids=[11, 12, 12], action_mask=[1, 0, 1]),
+                arpo.Rollout(0, response_ids=[15], action_mask=[1])]
     advantages = [[1.0] * 3, [-1.0]]
     batch = arpo.build_batch([[5, 6, 7]], rollouts, advantages, tokenizer.pad_token_id, device=device)
     # minibatches 2: pi_old recomputed; kl_coef > 0: the reference's forward too

@@ -259,17 +259,16 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
 
     draws = Draws(monkeypatch, plan)
     rows, last, batches = [], {}, []
-    real_seq, real_loss, real_update = arpo.sequence_logprobs, arpo.ppo_dual_clip_loss, arpo.update
+    real_logprobs, real_loss, real_update = arpo.action_logprobs, arpo.ppo_dual_clip_loss, arpo.update
 
-    def sequence_logprobs(model_, batch, rows_, temperature):
-        last["rows"] = (batch, rows_)
-        return real_seq(model_, batch, rows_, temperature)
+    def action_logprobs(model_, micro_batch, temperature):
+        last["batch"] = micro_batch
+        return real_logprobs(model_, micro_batch, temperature)
 
     def ppo_dual_clip_loss(logp, old_logp, adv, mask, *a):
-        batch, rows_ = last["rows"]
-        for r, m, old in zip(rows_, mask, old_logp, strict=True):
-            n = int(batch["attention_mask"][r].sum())
-            rows.append((batch["input_ids"][r, :n].tolist(), m, old))
+        mb = last["batch"]
+        for ids, att, m, old in zip(mb["input_ids"], mb["attention_mask"], mask, old_logp, strict=True):
+            rows.append((ids[:int(att.sum())].tolist(), m, old))
         return real_loss(logp, old_logp, adv, mask, *a)
 
     def update(policy, optimizer, batch, *a, **k):
@@ -277,7 +276,7 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
         batches.append(batch)  # holds the old log-probs the update recomputed before its first step
         return out
 
-    monkeypatch.setattr(arpo, "sequence_logprobs", sequence_logprobs)
+    monkeypatch.setattr(arpo, "action_logprobs", action_logprobs)
     monkeypatch.setattr(arpo, "ppo_dual_clip_loss", ppo_dual_clip_loss)
     monkeypatch.setattr(arpo, "update", update)
     # --minibatches 2: the second mini-batch divides by the old log-probs after a step. --kl-coef: every
@@ -289,7 +288,7 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     check_rows(rows, draws, model)
     [batch] = batches
     whole = [(ids[:int(att.sum())].tolist(), mask, old) for ids, att, mask, old in zip(
-        batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["old_logp"], strict=True)]
+        batch["input_ids"], batch["attention_mask"], batch["action_mask"], batch["old_logp"], strict=True)]
     check_rows(whole, draws, model)
     assert len(whole) == 3
     calls = 0

@@ -223,5 +223,5 @@ def test_arpo_unsafe_python_flag(monkeypatch):
     with pytest.raises(SystemExit, match=r"^arpo.py: --env 'tools': .*--unsafe-python") as e:
         arpo.build_envs(run.parse(arpo.Args, ["--env", "tools"], arpo.PRESETS))
     assert "\n" not in str(e.value)
-    env, _, _ = arpo.build_envs(run.parse(arpo.Args, ["--env", "tools", "--unsafe-python"], arpo.PRESETS))
+    env = arpo.build_envs(run.parse(arpo.Args, ["--env", "tools", "--unsafe-python"], arpo.PRESETS)).env
     assert env.limits.unsafe

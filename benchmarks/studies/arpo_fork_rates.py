@@ -38,11 +38,11 @@ def cold_start_model(args: arpo.Args, folder: str) -> None:
         print(f"[benchmark] reusing the cold-start model in {folder}")
         return
     torch.manual_seed(args.seed)
-    env, train_tasks, _ = arpo.build_envs(args)  # e.g. --search-topk, as arpo.py
+    envs = arpo.build_envs(args)  # e.g. --search-topk, as arpo.py
     model, tokenizer = load_policy(args.model)
     no_engine = SimpleNamespace(update_weights=lambda model: None)  # the model is saved, not sampled
     arpo.cold_start(SimpleNamespace(model=model, policy=model, tokenizer=tokenizer, generator=no_engine,
-                                    device="cpu"), env, train_tasks, args)
+                                    device="cpu"), envs.env, envs.train_tasks, args)
     model.save_pretrained(folder + ".tmp")
     tokenizer.save_pretrained(folder + ".tmp")
     os.replace(folder + ".tmp", folder)
@@ -95,7 +95,7 @@ def main() -> None:
     folder = os.path.join(ours.root, "cold_start_model")
     args = run.parse(arpo.Args, flags, arpo.PRESETS, arpo.check_args)  # any arpo.py flag; sets --threads
     cold_start_model(args, folder)
-    env, _, _ = arpo.build_envs(args)
+    env = arpo.build_envs(args).env
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:ours.questions]

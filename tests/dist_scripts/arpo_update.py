@@ -34,13 +34,13 @@ def question_rollouts(iteration: int, q: int, vocab: int
 
     def rollout(n: int) -> arpo.Rollout:
         mask = [1, 1, 0, 0] + [1] * (n - 4)  # 2 policy tokens, a 2-token result, then policy tokens
-        return arpo.Rollout(0, response_ids=[rng.randrange(vocab) for _ in range(n)], policy_mask=mask,
+        return arpo.Rollout(0, response_ids=[rng.randrange(vocab) for _ in range(n)], action_mask=mask,
                             old_logprobs=[0.0] * n)
 
     first, second = rollout(rng.randint(5, 9)), rollout(rng.randint(5, 9))
     child = arpo.fork(first, 0, 4)
     child.response_ids += [rng.randrange(vocab) for _ in range(3)]
-    child.policy_mask += [1, 1, 1]
+    child.action_mask += [1, 1, 1]
     child.old_logprobs += [0.0] * 3
     rewards = [0.0, 0.0, 0.0] if (iteration, q) == (1, 1) else [1.0, -1.0, 0.5]
     return prompt, [first, second, child], rewards
