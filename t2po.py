@@ -105,35 +105,45 @@ class Args(RunArgs):
         "once the action is written: what TTI is meant to cut; needs --max-new-tokens 96)")
 
 
-# The paper's settings (its scripts, examples/*_trainer/train_*.sh; webshop validates on 2 x 128 tasks; 200
-# epochs of 16 tasks: 200 steps); a flag given wins. From --model, RFT off (the paper: from RFT_CHECKPOINTS).
+# The paper's settings (its scripts, examples/*_trainer/train_*.sh; webshop validates on 2 x 128 tasks;
+# 200 epochs of 16 tasks: 200 steps); a flag given wins. Each starts from --model with RFT off (the
+# paper: from RFT_CHECKPOINTS). All three: no observation cut, verl's micro-batch 8, full fine-tuning,
+# sampling at temperature 1, gradient checkpointing, AdamW weight decay 0.01, bf16 where it runs.
+# webshop-lite and textworld are ours (CPU); textworld is the default run (docs/t2po.md): coin
+# collector level 3 (two exits, the coin: 3 turns; held out by walkthrough), RFT on 12 expert episodes,
+# then 4 RL steps of 2 tasks x 8 rollouts. webshop-lite: no product options (3 turns), verl-agent's
+# observations (no header with the task).
 PRESETS: dict[str, dict] = {
-    "webshop": dict(group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
-                    history_length=2, tti_max_think=450, eval_tasks=256, steps=200, cold_start=False,
-                    minibatch_size=128),
-    "alfworld": dict(group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6,
-                     history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
-                     std_normalize=True, kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True),
-    "search": dict(group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
-                   history_length=4, tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False,
-                   std_normalize=True, step_similarity=0.9, minibatch_size=256),
+    "webshop": dict(
+        group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6, history_length=2,
+        tti_max_think=450, eval_tasks=256, steps=200, cold_start=False, minibatch_size=128,
+        max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
+        gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),  # the script's validation sampling
+    "alfworld": dict(
+        group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6, history_length=2,
+        tti_max_think=450, eval_tasks=128, steps=200, cold_start=False, std_normalize=True,
+        kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True,
+        max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
+        gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),  # the script's validation sampling
+    "search": dict(
+        group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6, history_length=4,
+        tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False, std_normalize=True,
+        step_similarity=0.9, minibatch_size=256,
+        max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
+        gradient_checkpointing=True, weight_decay=0.01, autocast="auto"),
+    "webshop-lite": dict(
+        env_options='{"num_options": 0, "obs_format": "verl"}', reward="env", tds_max_try=1,
+        autocast="auto"),
+    "textworld": dict(
+        env_options='{"level": 3, "train_games": 16, "eval_games": 8, "holdout": "walkthrough"}',
+        tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
+        cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto"),
 }
-for _preset in PRESETS.values():  # and verl's AdamW weight decay, 0.01
-    _preset.update(max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
-                   gradient_checkpointing=True, weight_decay=0.01, autocast="auto")
-for _env in ("webshop", "alfworld"):  # their scripts' validation sampling
-    PRESETS[_env].update(eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20)
 # the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their scripts' MODEL)
-RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5", "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
-# webshop-lite (ours, CPU): no product options (3 turns), verl-agent's observations (no header with the task)
-PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
-                               tds_max_try=1, autocast="auto")
-# The default run (ours; docs/t2po.md): TextWorld coin collector level 3 on a CPU (two exits, the coin: 3
-# turns; held out by walkthrough), RFT on 12 expert episodes, then 4 RL steps of 2 tasks x 8 rollouts.
-PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
-                                        '"holdout": "walkthrough"}',
-                            tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
-                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto")
+RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
+                   "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
 
 
 def check_args(args: Args) -> None:
