@@ -1,12 +1,12 @@
 """T²PO — Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO plus two
-uncertainty-guided controls on the rollouts of an agent that writes
-`<think>…</think><action>…</action>`:
+uncertainty-guided controls on an agent that writes `<think>…</think><action>…</action>`:
 - TTI (token level): once the thinking's self-calibrated uncertainty M_t has flattened out (mean
   |M_t − M_{t−1}| over a window < ε), or at a thinking cap, force `</think>\\n<action>`.
 - TDS (turn level, training only): a turn whose aggregate uncertainty Φ_k barely differs from the
   previous turn's is probably a repeat: throw it away and resample it from the same state.
 The rest is GiGPO (verl-agent): one sample per turn with a windowed prompt, episode- plus step-level
-group advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the format.
+group advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the
+format.
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
@@ -37,16 +37,17 @@ from common.models import unwrap
 from common.run import RunArgs
 from envs.base import EnvPool
 
+Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"]
+
 
 @dataclass
 class Args(RunArgs):
-    """T²PO (ICML 2026): GiGPO with uncertainty-guided thinking stops (TTI) and turn resampling (TDS)."""
+    """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
-    preset: Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"] = opt(
-        "run", "auto", "settings filled into every flag not given (PRESETS). textworld, webshop-lite: "
-        "our CPU ones; webshop, alfworld, search: the paper's, which start RL from --model with RFT "
-        "off, NOT from the paper's RFT checkpoints (RFT_CHECKPOINTS): pass one as --model to match "
-        "the paper")
+    preset: Preset = opt("run", "auto", "settings filled into every flag not given (PRESETS). "
+                         "textworld, webshop-lite: our CPU ones; webshop, alfworld, search: the "
+                         "paper's, which start RL from --model with RFT off, NOT from the paper's "
+                         "RFT checkpoints (RFT_CHECKPOINTS): pass one as --model")
     # the shared flags (common/run.py) where T²PO's default differs
     steps: int = 3
     tasks_per_step: int = 1  # paper 16
@@ -57,22 +58,18 @@ class Args(RunArgs):
     cold_start_episodes: int = 6
     cold_start_lr: float = 5e-5
     epochs: int = opt("run", 0, "> 0: set --steps to this many passes over the training tasks, "
-                      "tasks-per-step at a time (the search preset: 1, its script's total_epochs)",
-                      ge=0)
+                      "tasks-per-step at a time (the search preset: 1, its total_epochs)", ge=0)
     autocast: Literal["off", "bf16", "auto"] = opt(
-        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay fp32: "
-        "verl's mixed precision); auto (every preset): on a GPU or a CPU with native bf16 "
-        "(AVX512-BF16, AMX)")
+        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay "
+        "fp32: verl's mixed precision); auto (every preset): on a GPU or a CPU with native bf16")
     history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)", ge=0)
     max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts", ge=1)
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
     eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95", gt=0, le=1)
     eval_top_k: int = opt("run", 0, "paper's val sampling: 20", ge=0)
-    base_eval: bool = opt("run", True, "held-out evaluation of --model before training (greedy: "
-                          "seed-free)")
-    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones after "
-                           "the cold start and each RL step: a learning curve, not the step's draw "
-                           "(ours)", ge=0)
+    base_eval: bool = opt("run", True, "held-out evaluation of --model before training")
+    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones "
+                           "after the cold start and each RL step: a learning curve (ours)", ge=0)
     # uncertainty signal M_t (paper Sec. 3.1); alpha and j are not published: ours
     alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)", ge=0, le=1)
     top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)", ge=1)
@@ -81,94 +78,85 @@ class Args(RunArgs):
     tti_epsilon: float = opt("algorithm", 0.05, "ε: act once mean |ΔM| < ε (ours)", ge=0)
     tti_min_think: int = opt("algorithm", 16, "L_min: thinking tokens before TTI (ours)", ge=0)
     tti_max_think: int = opt("algorithm", 0, "L_max thinking cap; 0: max_new_tokens minus min(32, "
-                             "max_new_tokens/2) for the action (official code: 450)", ge=0)
+                             "max_new_tokens/2) for the action (authors' code: 450-500)", ge=0)
     tti_chunk: int = opt("algorithm", 40, "tokens between TTI scans (waste ≤ chunk)", ge=1)
     tds: bool = opt("algorithm", True, "turn-level dynamical sampling (training only)")
     tds_eta: float = opt("algorithm", 0.3, "η: resample the turn when |Φ_k − Φ_{k−1}| < η", ge=0)
     tds_max_try: int = opt("algorithm", 2, "B_max: resamples per turn", ge=0)
     success_reward: float = opt("environment", 10.0, "reward = this × success")
-    reward: Literal["success", "env"] = opt(
-        "environment", "success", "success: 10 × won (paper); env: 10 × the env's own final reward "
-        "(WebShop score, toy)")
-    format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own episode "
-                                "score and step return, after discounting (verl-agent)", ge=0)
-    inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list is "
-                                     "invalid too (official ALFWorld projection; on in the alfworld "
-                                     "preset)")
+    reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); "
+                                            "env: 10 × the env's final reward (WebShop score)")
+    format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own "
+                                "episode score and step return, after discounting", ge=0)
+    inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list "
+                                     "is invalid too (official ALFWorld projection)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
     std_normalize: bool = opt("algorithm", False, "divide advantages by the group std "
                               "(mean_std_norm)")
-    step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib "
-                                 "similarity ratio ≥ this (1 = identical text; the search preset: "
-                                 "0.9, verl-agent's enable_similarity)", gt=0, le=1)
+    step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib ratio "
+                                 "is ≥ this (1 = identical; verl-agent's enable_similarity)",
+                                 gt=0, le=1)
     clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
-    dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| per "
-                           "token (verl's actor clip_ratio_c, 3.0); 0 = off", ge=0)
-    minibatch_size: int = opt("optimisation", 32, "turns per optimizer step (ppo_mini_batch_size)",
-                              ge=1)
+    dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| "
+                           "per token (verl's clip_ratio_c); 0 = off", ge=0)
+    minibatch_size: int = opt("optimisation", 32, "turns per optimizer step", ge=1)
     cold_start_source: Literal["auto", "expert", "sample"] = opt(
-        "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where it "
-        "has one (auto), else rejection sampling from the policy (sample)")
+        "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
+        "it has one (auto), else rejection sampling from the policy (sample)")
     expert_thoughts: Literal["short", "long"] = opt(
         "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in "
-        "TextWorld, the action, then the task's sentence for this step and the steps done (~40 "
-        "tokens that add nothing once the action is written: what TTI is meant to cut; needs "
-        "--max-new-tokens 96)")
+        "TextWorld, the action, the task's sentence for this step and the steps done (~40 tokens "
+        "that TTI is meant to cut; needs --max-new-tokens 96)")
 
 
-# The paper's settings (its scripts, examples/*_trainer/train_*.sh; webshop validates on 2 x 128 tasks;
-# 200 epochs of 16 tasks: 200 steps); a flag given wins. Each starts from --model with RFT off (the
-# paper: from RFT_CHECKPOINTS). All three: no observation cut, verl's micro-batch 8, full fine-tuning,
-# sampling at temperature 1, gradient checkpointing, AdamW weight decay 0.01, bf16 where it runs.
-# webshop-lite and textworld are ours (CPU); textworld is the default run (docs/t2po.md): coin
-# collector level 3 (two exits, the coin: 3 turns; held out by walkthrough), RFT on 12 expert episodes,
-# then 4 RL steps of 2 tasks x 8 rollouts. webshop-lite: no product options (3 turns), verl-agent's
-# observations (no header with the task).
+# The paper's settings (its scripts, examples/*_trainer/train_*.sh: webshop validates on 2 x 128
+# tasks; 200 epochs of 16 tasks = 200 steps), from --model with RFT off (the paper: from
+# RFT_CHECKPOINTS); a flag given wins. textworld (the default run, docs/t2po.md) and webshop-lite
+# are ours, for a CPU: coin collector level 3 (3 turns; held out by walkthrough), RFT on 12 expert
+# episodes, then 4 RL steps of 2 tasks x 8; webshop-lite: no product options, verl's observations.
 PRESETS: dict[str, dict] = {
     "webshop": dict(
-        group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6, history_length=2,
-        tti_max_think=450, eval_tasks=256, steps=200, cold_start=False, minibatch_size=128,
-        max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
-        gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
-        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),  # the script's validation sampling
+        group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
+        history_length=2, tti_max_think=450, eval_tasks=256, steps=200, cold_start=False,
+        minibatch_size=128, max_obs_chars=100_000, micro_batch_size=8, lora_rank=0,
+        temperature=1.0, gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),
     "alfworld": dict(
-        group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6, history_length=2,
-        tti_max_think=450, eval_tasks=128, steps=200, cold_start=False, std_normalize=True,
-        kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True,
+        group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6,
+        history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
+        std_normalize=True, kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True,
         max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
         gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
-        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),  # the script's validation sampling
-    "search": dict(
-        group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6, history_length=4,
-        tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False, std_normalize=True,
-        step_similarity=0.9, minibatch_size=256,
-        max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
-        gradient_checkpointing=True, weight_decay=0.01, autocast="auto"),
-    "webshop-lite": dict(
-        env_options='{"num_options": 0, "obs_format": "verl"}', reward="env", tds_max_try=1,
-        autocast="auto"),
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),
+    "search": dict(  # no validation sampling in its script
+        group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
+        history_length=4, tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False,
+        std_normalize=True, step_similarity=0.9, minibatch_size=256, max_obs_chars=100_000,
+        micro_batch_size=8, lora_rank=0, temperature=1.0, gradient_checkpointing=True,
+        weight_decay=0.01, autocast="auto"),
+    "webshop-lite": dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
+                         tds_max_try=1, autocast="auto"),
     "textworld": dict(
         env_options='{"level": 3, "train_games": 16, "eval_games": 8, "holdout": "walkthrough"}',
         tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
         cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto"),
 }
-# the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their scripts' MODEL)
+# the authors' RFT checkpoints, in the Hugging Face collection willhx/t2po (their scripts' MODEL)
 RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
                    "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
 
 
 def check_args(args: Args) -> None:
-    """Rules between flags (each flag's own bounds are declared with it), and the paper presets'
-    warning."""
+    """Rules between flags (each flag's bounds are declared with it); the paper presets' warning."""
     if 0 < args.dual_clip <= 1:
         raise cli.bad_flag("t2po.py", "dual_clip", args.dual_clip, "must be > 1 (or 0 = off)")
     if not (args.base_eval or args.cold_start):
-        raise SystemExit("t2po.py: --no-base-eval needs the cold start: else nothing is evaluated "
-                         "before RL")
+        raise SystemExit("t2po.py: --no-base-eval needs the cold start: else nothing is "
+                         "evaluated before RL")
     if args.expert_thoughts == "long" and args.env != "textworld":
-        raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts quote "
-                           f"TextWorld's task sentences, which --env {args.env!r} does not have")
+        raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts "
+                           f"quote TextWorld's task sentences, which --env {args.env!r} lacks")
     paper = args.preset in ("webshop", "alfworld", "search")
     if paper and args.model != RFT_CHECKPOINTS.get(args.preset):
         checkpoint = RFT_CHECKPOINTS.get(args.preset, "huggingface.co/collections/willhx/t2po")
@@ -176,8 +164,7 @@ def check_args(args: Args) -> None:
                 f"RFT checkpoint ({checkpoint}); its numbers are not comparable to the paper's")
 
 
-# Records. A turn is also one training sample: prompt ids -> response ids, trained on its
-# action_mask (the tokens the policy sampled) with its advantage.
+# Records. A turn is also a training sample: prompt -> response, trained on its action_mask.
 @dataclass
 class Turn:
     prompt_ids: list[int]  # the turn's prompt (task, last P turns, observation), chat template on
@@ -211,8 +198,7 @@ class ExpertTurn:
 
 
 @dataclass
-class Response:
-    """One generated response (generate_turn), before it becomes a Turn."""
+class Response:  # one generated response (generate_turn), before it becomes a Turn
     ids: list[int] = field(default_factory=list)  # sampled and forced tokens
     action_mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
     entropies: list[float] = field(default_factory=list)  # H_t of each sampled token
@@ -224,17 +210,15 @@ class Response:
 
 
 # Prompting: task, last P turns, current observation, admissible actions.
-TURN_TEMPLATE = """Task: {task}
-{history}Step {step}. Observation: {observation}
-Admissible actions: [{actions}].
-Reason step by step inside <think> </think>, then give one admissible action inside <action> </action>."""
+TURN_TEMPLATE = ("Task: {task}\n{history}Step {step}. Observation: {observation}\n"
+                 "Admissible actions: [{actions}].\nReason step by step inside <think> </think>, "
+                 "then give one admissible action inside <action> </action>.")
 
 
 def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: str,
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
     """history: every (observation, action) so far; the last P are shown. verl-agent's wording,
-    shortened (on a CPU each prompt token is paid twice a turn, prefill and training forward): 44
-    fixed tokens, not 118."""
+    shortened: on a CPU each prompt token is paid twice a turn (44 fixed tokens, not 118)."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
@@ -252,10 +236,9 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Format check and projection to an action (official:
-# agent_system/environments/env_package/*/projection.py): one <think>…</think> then one
-# <action>…</action>, nothing else, tags case-insensitive, action lower-cased. Ill-formed: invalid
-# (penalised) but still acts: its first <action>…</action>, else its last 30 characters.
+# Format check and projection to an action (official: env_package/*/projection.py): one
+# <think>…</think> then one <action>…</action>, tags case-insensitive, action lower-cased.
+# Ill-formed: invalid (penalised) but acts: its first <action>…</action>, else its last 30 chars.
 FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$",
                        re.DOTALL | re.IGNORECASE)
 TAG_RES = {tag: re.compile(pattern, re.IGNORECASE) for tag, pattern in [
@@ -265,10 +248,9 @@ CJK_RE = re.compile(r"[\u4e00-\u9fff]")  # the official check: Chinese text is i
 
 
 def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str, bool]:
-    """(action, valid). Linear in len(text): the strict regex runs only once each tag occurs exactly
-    once (each lazy group then has one place to stop); the fallback takes the first `<action>` and
-    the first `</action>` after it (the leftmost lazy match). admissible (ALFWorld): an action
-    outside it is invalid."""
+    """(action, valid). Linear in len(text): the strict regex runs only if each tag occurs once; the
+    fallback takes the first `<action>` and the first `</action>` after it (the leftmost lazy
+    match). admissible (ALFWorld): an action outside it is invalid."""
     counts_ok = all(len(pattern.findall(text)) == 1 for pattern in TAG_RES.values())
     match = FORMAT_RE.match(text) if counts_ok and not CJK_RE.search(text) else None
     if match is not None:
@@ -283,15 +265,14 @@ def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str,
 
 # Uncertainty signal (paper Sec. 3.1)
 def token_confidence(top_logprobs: list[float], j: int) -> float:
-    """C_t = −(1/j) Σ_{i≤j} log p_t^(i) over the top-j probabilities (DeepConf; higher = more
-    peaked)."""
+    """C_t = −(1/j) Σ_{i≤j} log p_t^(i) over the top-j probabilities (DeepConf; high = peaked)."""
     top = sorted(top_logprobs, reverse=True)[:j]
     return -sum(top) / len(top)
 
 
 def minmax(values: list[float], causal: bool) -> list[float]:
-    """x̃_t = (x_t − x_min) / (x_max − x_min), over the whole generation, or (causal) over tokens ≤ t
-    only, as an online logits processor sees them. A flat range normalises to 0 (our choice)."""
+    """x̃_t = (x_t − x_min) / (x_max − x_min), over the whole generation, or (causal) over tokens
+    ≤ t only, as an online logits processor sees them. A flat range normalises to 0 (ours)."""
     out, lo, hi = [], math.inf, -math.inf
     if not causal and values:
         lo, hi = min(values), max(values)
@@ -315,9 +296,8 @@ FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<actio
 
 def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: int, epsilon: float,
                    start: int = 0) -> int | None:
-    """First thinking token t ≥ start (0-based) after which TTI forces the action, or None. Causal
-    (M_0..M_t): fires when t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}| over s = t−N..t is
-    < ε, or at t+1 = L_max."""
+    """First thinking token t ≥ start (0-based) after which TTI forces the action, or None: when
+    t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}| over s = t−N..t is < ε, or at t+1 = L_max."""
     for t in range(start, len(m)):
         if t + 1 >= max_think:
             return t
@@ -346,9 +326,8 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
         out.entropies += sample.entropies[:n]
         out.confidences += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
 
-    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past a
-    # natural </think> to </action>: one call per turn when it covers the response (a CPU pays each
-    # call's prefill).
+    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past
+    # a natural </think> to </action>: one call per turn when it covers the response.
     thinking = list(range(len(prompts))) if tti else []
     while thinking:
         chunk = min(args.tti_chunk, budget - min(len(outs[i].ids) for i in thinking))
@@ -406,18 +385,15 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
 
 # TDS: turn-level dynamical sampling (training rollouts only)
 def turn_signal(m: list[float]) -> float:
-    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros (one would zero
-    it): min–max puts a 0 where the least-entropy token is also the most confident (the scale's
-    anchor, not a certain token); a floor instead makes Φ depend on the length (floor^(1/T)). No
-    nonzero M: 0 (no signal)."""
+    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros, min–max's anchor
+    (a floor would make Φ depend on the length, floor^(1/T)). No nonzero M: 0 (no signal)."""
     logs = [math.log(x) for x in m if x > 0]
     return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
 
 def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]:
-    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max runs over the policy tokens of both turns, so Γ_k
-    compares their levels (normalised per turn, every turn's M would span [0, 1] and Γ would only
-    compare shapes)."""
+    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max over the policy tokens of both turns, so Γ_k
+    compares their levels (per turn, every M would span [0, 1]: Γ would compare shapes)."""
     m = uncertainty(prev.entropies + cur.entropies, prev.confidences + cur.confidences, alpha,
                     causal=False)
     split = len(prev.entropies)
@@ -425,8 +401,7 @@ def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]
 
 
 def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
-    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0 (no
-    signal)."""
+    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0."""
     return phi_prev is not None and 0 < abs(phi - phi_prev) < eta
 
 
@@ -448,9 +423,8 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 
 
 def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> dict:
-    """key -> (mean, std) of its values, std unbiased as torch.std. A group of one: baseline 0 and
-    std 1 (episode level, as verl-agent's list of one) or itself (step level: no comparison,
-    advantage 0)."""
+    """key -> (mean, std) of its values, std unbiased as torch.std. A group of one: mean 0 and std 1
+    (episode level, as verl-agent) or itself (step level: no comparison, advantage 0)."""
     groups: dict = defaultdict(list)
     for k, v in zip(keys, values, strict=True):
         groups[k].append(v)
@@ -464,17 +438,15 @@ def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> d
 
 def group_normalise(values: list[float], keys: list, std_normalize: bool, singleton_mean_zero: bool,
                     stats: dict | None = None) -> list[float]:
-    """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std) if not of
-    `values`."""
+    """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std), if given."""
     stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
     return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
             for k, v in zip(keys, values, strict=True)]
 
 
 def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
-    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or
-    (enable_similarity) the group's first cluster whose first observation has difflib ratio ≥
-    similarity, else a new one."""
+    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or the
+    group's first cluster whose first observation has difflib ratio ≥ similarity, else a new one."""
     representatives: dict = defaultdict(list)  # group -> first observation of each cluster
     keys = []
     for ep in episodes:
@@ -497,7 +469,7 @@ def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_no
     """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted
     from that turn's own scores after discounting, as verl-agent, so it does not reach the
     trajectory's other turns):
-    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (as the paper);
+    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
     A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose
       raw observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
     std_normalize (mean_std_norm): each part / (std + 1e-6), the unbiased std of the values it
@@ -524,7 +496,7 @@ def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_no
     return [[next(flat) for _ in ep.turns] for ep in episodes]
 
 
-# Rollout: every episode of a batch advances one turn at a time; each turn is generated as one batch.
+# Rollout: every episode of a batch advances one turn at a time; a turn is generated as one batch.
 def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attempt: int = 0) -> int:
     """The sampling seed of one turn: of training step `step` (train), or of an evaluation after
     `step` updates (−1: RFT's sampling); episode: its global id; attempt: TDS's resample number."""
@@ -536,9 +508,8 @@ def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attemp
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *,
             step: int, train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
             keys: list[int] | None = None) -> tuple[list[Episode], dict]:
-    """(episodes, stats: counters summed over turns). keys: a global id per episode (default
-    0..n−1) keying its seeds, so an episode draws the same tokens on whichever rank plays it (or
-    resumes it)."""
+    """(episodes, counters summed over turns). keys: a global id per episode (default 0..n−1)
+    keying its seeds: an episode draws the same tokens on whichever rank plays it."""
     n, keys, stats = len(tasks), keys or list(range(len(tasks))), defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
         return [], stats
@@ -585,11 +556,10 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                 anchor=obs[i], reward=args.success_reward * outcome if env_done else 0.0,
                 penalty=0.0 if valid else args.format_penalty, valid=valid, action=action,
                 observation=next_obs))
-            counts = dict(turns=1, tokens=len(outs[j].ids), think_tokens=outs[j].think_tokens,
-                          tti_interventions=outs[j].intervened,
-                          tti_wasted_tokens=outs[j].wasted, tds_resamples=resamples[j],
-                          invalid=not valid, inadmissible=not info.get("valid_action", True))
-            for key, x in counts.items():
+            for key, x in dict(turns=1, tokens=len(outs[j].ids), tti_wasted_tokens=outs[j].wasted,
+                               think_tokens=outs[j].think_tokens, tds_resamples=resamples[j],
+                               tti_interventions=outs[j].intervened, invalid=not valid,
+                               inadmissible=not info.get("valid_action", True)).items():
                 stats[key] += x
             history[i].append((obs[i], action))
             obs[i], infos[i], prev_out[i] = next_obs, info, outs[j]
@@ -611,15 +581,14 @@ def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
     won, score, reward = ((np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows
                           else ([0.0],) * 3)
     turns = max(1.0, stats["turns"])
+    per_turn = {"tokens_per_turn": "tokens", "think_tokens_per_turn": "think_tokens",
+                "tti_interventions": "tti_interventions", "format_error_rate": "invalid",
+                "inadmissible_rate": "inadmissible"}
     out = {"rollouts": len(rows), "success_rate": float(np.mean(won)),
            "score": float(np.mean(score)), "reward_mean": float(np.mean(reward)),
            "turns_per_episode": stats["turns"] / max(1, len(rows)),
-           "tokens_per_turn": stats["tokens"] / turns,
-           "think_tokens_per_turn": stats["think_tokens"] / turns,
-           "tti_interventions": stats["tti_interventions"] / turns,
-           "tds_resamples": stats["tds_resamples"], "tti_wasted_tokens": stats["tti_wasted_tokens"],
-           "format_error_rate": stats["invalid"] / turns,
-           "inadmissible_rate": stats["inadmissible"] / turns}
+           **{name: stats[key] / turns for name, key in per_turn.items()},
+           "tds_resamples": stats["tds_resamples"], "tti_wasted_tokens": stats["tti_wasted_tokens"]}
     return {prefix + k: v for k, v in out.items()}
 
 
@@ -633,7 +602,11 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
                               top_p=args.eval_top_p, top_k=args.eval_top_k)
     m = {**rollout_metrics(episodes, stats, prefix=prefix), prefix + "time_s": time.time() - t0}
     if stage:  # the episodes as text (prompt, response, action, observation, reward per turn)
-        run.write_transcripts(args, stage, [transcript(tokenizer, ep) for ep in episodes])
+        run.write_transcripts(args, stage, [dict(
+            task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
+            turns=[dict(prompt=tokenizer.decode(t.prompt_ids), response=tokenizer.decode(
+                t.response_ids), action=t.action, observation=t.observation, reward=t.reward,
+                valid=t.valid) for t in ep.turns]) for ep in episodes])
         who = "held-out" if prefix == "eval/" else prefix[:-1]
         run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  "
                 f"score {m[prefix + 'score']:.3f}  "
@@ -642,19 +615,10 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
     return m
 
 
-def transcript(tokenizer, ep: Episode) -> dict:
-    turns = [dict(prompt=tokenizer.decode(t.prompt_ids), response=tokenizer.decode(t.response_ids),
-                  action=t.action, observation=t.observation, reward=t.reward, valid=t.valid)
-             for t in ep.turns]
-    return dict(task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
-                turns=turns)
-
-
 # Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
 def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
-    """Replay the environment's scripted expert (`env.expert_action()`, with `env.expert_thought()`
-    as its reason), written as `<think>…</think><action>…</action>` turns with the same prompts the
-    policy sees."""
+    """Replay the environment's scripted expert (`env.expert_action()`, `env.expert_thought()` its
+    reason) as `<think>…</think><action>…</action>` turns with the prompts the policy sees."""
     episodes = []
     for task in tasks:
         obs, info = env.reset(task)
@@ -677,7 +641,7 @@ def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
 
 
 def rft_keep(episodes: list[Episode]) -> list:
-    """RFT keeps the successful trajectories whose every turn is well formed; returns their turns."""
+    """RFT keeps the successful trajectories whose every turn is well formed: their turns."""
     return [t for ep in episodes if ep.won and all(t.valid for t in ep.turns) for t in ep.turns]
 
 
@@ -702,8 +666,7 @@ def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
 
 def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rng=None) -> dict:
     """RFT: SFT on the turns of successful, well-formed trajectories of the env's scripted expert
-    (or of the policy itself): the mean NLL of the policy's tokens (a sampled turn's TTI-forced
-    tokens are masked)."""
+    (or of the policy): the mean NLL of the policy's tokens (TTI-forced tokens are masked)."""
     t0 = time.time()
     rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
     has_expert = hasattr(env, "expert_action")
@@ -742,9 +705,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                   action_mask: torch.Tensor, clip_eps: float,
                   dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by the
-    minibatch's token count: token-mean), and the number of clipped tokens. dual_clip c > 1 (Ye et
-    al. 2020, verl's actor): where A < 0 a token's loss is also capped at −c·A, so a huge ratio on
-    a bad token is bounded."""
+    minibatch's token count), and the number of clipped tokens. dual_clip c > 1 (Ye et al. 2020,
+    verl's actor): where A < 0 a token's loss is also capped at −c·A (a huge ratio is bounded)."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     token_loss = -torch.minimum(unclipped, clipped)
@@ -755,9 +717,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ, clamped
-    to [−10, 10] as verl's `low_var_kl` (the ALFWorld script's) so that one far-moved token cannot
-    dominate."""
+    """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ,
+    clamped to [−10, 10] as verl's `low_var_kl` (the ALFWorld script's)."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
@@ -767,10 +728,9 @@ def turn_key(turn: Turn) -> tuple:
 
 
 def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
-    """The distinct turns (a repeated turn runs once: its gradient is the sum of its copies'),
-    prompt + response right-padded, on the policy's device (a GPU's forward refuses inputs left on
-    the CPU): input_ids and attention_mask (U, T); action_mask (U, T-1), 1 where target t+1 is a
-    token the policy sampled; rows (B,): the row of each of `turns`."""
+    """The distinct turns (a repeated one runs once), prompt + response right-padded, on `device`:
+    input_ids and attention_mask (U, T); action_mask (U, T-1), 1 where target t+1 is a token the
+    policy sampled; rows (B,): the row of each of `turns`."""
     keys = [turn_key(t) for t in turns]
     distinct = list(dict.fromkeys(keys))
     unique = [turns[keys.index(k)] for k in distinct]
@@ -797,10 +757,9 @@ def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -
 
 
 def microbatches(turns: list[Turn], size: int) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each
-    (build_batch runs a repeated turn once), shortest first to pad little, as many on every rank
-    (dist.same_count). A rank with no turns runs a placeholder of weight 0 whose one target token
-    keeps the backward connected."""
+    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each,
+    shortest first, as many on every rank (dist.same_count). A rank with no turns runs a
+    placeholder of weight 0 whose one target token keeps the backward connected."""
     filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
     copies = defaultdict(list)
     for t in turns:
@@ -811,8 +770,7 @@ def microbatches(turns: list[Turn], size: int) -> list[tuple[list[Turn], float]]
 
 
 def sft_log_likelihood(policy, turns: list[Turn]) -> tuple[torch.Tensor, float]:
-    """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked, as in RL); their
-    count."""
+    """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked); their count."""
     batch = build_batch(turns, next(policy.parameters()).device)
     action_mask = batch["action_mask"][batch["rows"]]  # (B, T-1)
     logp = action_logprobs(policy, batch, 1.0)  # (B, T-1)
@@ -822,9 +780,8 @@ def sft_log_likelihood(policy, turns: list[Turn]) -> tuple[torch.Tensor, float]:
 @torch.no_grad()
 def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
                     adapter_off: bool = False) -> None:
-    """Log-probs of every turn's tokens under `model` (old policy, or reference for the KL), stored
-    in turn.<key> as a (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the
-    reference."""
+    """Log-probs of every turn's tokens under `model` (π_old, or the reference), in turn.<key> as a
+    (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
     for batch, _ in microbatches(turns, args.micro_batch_size):
         with unwrap(model).disable_adapter() if adapter_off else nullcontext():
             logp = action_logprobs(model, build_batch(batch, next(model.parameters()).device),
@@ -834,8 +791,7 @@ def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
 
 
 def turn_samples(episodes: list[Episode], advantages: list[list[float]]) -> list[Turn]:
-    """One training sample per turn, a copy with its advantage; a turn with no policy token (all
-    forced) trains nothing."""
+    """One training sample per turn with a policy token: a copy with its advantage."""
     return [dataclasses.replace(turn, advantage=a)
             for ep, adv in zip(episodes, advantages, strict=True)
             for turn, a in zip(ep.turns, adv, strict=True) if sum(turn.action_mask) > 0]
@@ -849,15 +805,13 @@ def stacked(batch: list[Turn], key: str, width: int) -> torch.Tensor:
 
 def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Generator,
            reference=None) -> dict:
-    """One epoch over the turn samples, one optimizer step per minibatch, PPO-clip with a
-    token-mean. Under torchrun `samples` are this rank's (whole groups): the minibatch count and
-    each token-mean's divisor are global, so one optimizer step is the same on 1 or 8 ranks
-    (exactly so with one minibatch)."""
+    """One epoch over the turn samples, an optimizer step per minibatch, PPO-clip, token-mean.
+    Under torchrun `samples` are this rank's (whole groups): the minibatch count and each
+    token-mean's divisor are global, so a step is the same on 1 or 8 ranks."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
     parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # as many on every rank
     # π_old: the policy that sampled the turns. The first minibatch trains on π_old itself (no
-    # dropout): its own forward, detached, is the same number; the later ones' is computed now,
-    # before the first step.
+    # dropout): its own forward, detached; the later ones' is computed now, before the first step.
     if n_minibatches > 1:
         policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
     if args.kl_coef > 0:
@@ -916,8 +870,7 @@ class Envs:
 
 def build_envs(args: Args) -> Envs:
     """The environment, its tasks and the pools, before the model loads. Each rank plays whole
-    groups: its share of the step's task groups (advantages stay rank-local); rank 0 plays the
-    held-out tasks."""
+    groups, its share of the step's (advantages stay rank-local); rank 0 the held-out tasks."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if args.epochs > 0:
         args.steps = max(1, args.epochs * len(train_tasks) // args.tasks_per_step)
@@ -931,8 +884,7 @@ def build_envs(args: Args) -> Envs:
 
 
 def turn_prompts(env, tasks: list, args: Args) -> list[str]:
-    """For --dry-run's longest: the expert's turn prompts on `tasks`, else first turns with a full
-    history."""
+    """--dry-run: the expert's turn prompts on `tasks`, else first turns with a full history."""
     if hasattr(env, "expert_action"):
         return [t.prompt for ep in expert_episodes(env, tasks, args) for t in ep.turns]
     return [build_turn_prompt(info.get("instruction", ""), [(obs, "")] * args.history_length, obs,
@@ -986,7 +938,8 @@ def main(argv: list[str] | None = None) -> dict:
     probe = lambda step: run.on_main(lambda: evaluate(  # fixed training tasks: a learning curve
         r.generator, r.tokenizer, envs.probe_pool, envs.train_tasks[:args.probe_tasks], args, step,
         f"probe_step_{step}", prefix="probe/")) if args.probe_tasks else {}
-    if "base" not in r.extra and args.base_eval:
+    # skipped before the cold start (--no-base-eval): not done later, on a resumed trained policy
+    if "base" not in r.extra and "cold_start" not in r.extra and args.base_eval:
         r.extra["base"] = held_out("base", 0)
         r.logger.log({"step": 0, **r.extra["base"], **({} if args.cold_start else probe(0))})
     if args.cold_start and "cold_start" not in r.extra:  # RFT
