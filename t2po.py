@@ -92,8 +92,9 @@ class Args(RunArgs):
                                      "is invalid too (official ALFWorld projection)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
-    std_normalize: bool = opt("algorithm", False, "divide advantages by the group std "
-                              "(mean_std_norm)")
+    std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: each level "
+                              "(x − mean) / std over its group's turns (off: no std, the paper's "
+                              "trajectory mean at the episode level)")
     step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib ratio "
                                  "is ≥ this (1 = identical; verl-agent's enable_similarity)",
                                  gt=0, le=1)
@@ -467,30 +468,28 @@ def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
 def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_normalize: bool,
                      similarity: float = 1.0) -> list[list[float]]:
     """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted
-    from that turn's own scores after discounting, as verl-agent, so it does not reach the
-    trajectory's other turns):
+    from that turn's own scores after discounting, as verl-agent: it reaches no other turn):
     A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
     A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose
       raw observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
-    std_normalize (mean_std_norm): each part / (std + 1e-6), the unbiased std of the values it
-    normalises (episode level: the group's turn scores R_j − p_t; a group of one trajectory keeps
-    std 1)."""
+    std_normalize: verl-agent's mean_std_norm exactly (episode_norm_reward with its default
+    compute_mean_std_cross_steps, step_norm_reward): each level (x − mean) / (std + 1e-6), mean and
+    unbiased std over its group's turns (episode level: the turn scores R_j − p_t, so a longer
+    trajectory weighs more in the mean, unlike the paper's); a group of one turn: 0 and 1."""
     returns = [sum(t.reward for t in ep.turns) for ep in episodes]
-    groups = [ep.group for ep in episodes]
-    trajectory_scores = [r - sum(t.penalty for t in ep.turns) / max(1, len(ep.turns))
-                         for r, ep in zip(returns, episodes, strict=True)]
-    episode_stats = group_stats(trajectory_scores, groups, singleton_mean_zero=True)
     step_values, episode_values, episode_keys = [], [], []
     for r, ep in zip(returns, episodes, strict=True):
         g_t = discounted_returns([t.reward for t in ep.turns], gamma)
         step_values += [g - t.penalty for g, t in zip(g_t, ep.turns, strict=True)]
         episode_values += [r - t.penalty for t in ep.turns]
         episode_keys += [ep.group] * len(ep.turns)
-    if std_normalize:  # the std of the turn scores being normalised, not of the trajectories' means
-        turn_std = {g: std for g, (_, std) in group_stats(episode_values, episode_keys, False).items()}
-        episode_stats = {g: (mean, turn_std.get(g, std) if groups.count(g) > 1 else std)
-                         for g, (mean, std) in episode_stats.items()}
-    a_episode = group_normalise(episode_values, episode_keys, std_normalize, True, episode_stats)
+    if std_normalize:  # verl-agent: mean and std over the group's turns
+        a_episode = group_normalise(episode_values, episode_keys, True, singleton_mean_zero=True)
+    else:  # the paper: the mean over the group's trajectories
+        trajectory_scores = [r - sum(t.penalty for t in ep.turns) / max(1, len(ep.turns))
+                             for r, ep in zip(returns, episodes, strict=True)]
+        stats = group_stats(trajectory_scores, [ep.group for ep in episodes], True)
+        a_episode = group_normalise(episode_values, episode_keys, False, True, stats)
     a_step = group_normalise(step_values, anchor_keys(episodes, similarity), std_normalize, False)
     flat = iter(a + omega * b for a, b in zip(a_episode, a_step, strict=True))
     return [[next(flat) for _ in ep.turns] for ep in episodes]

@@ -210,11 +210,31 @@ def test_gigpo_std_normalize_all_equal_and_single_trajectory_groups():
     won = [t2po.Episode(task=None, group=0, turns=[turn(0.0, "a"), turn(0.0, "b", reward=10.0)])
            for _ in range(2)]
     assert t2po.gigpo_advantages(won, gamma=0.95, omega=1.0, std_normalize=True) == [[0.0, 0.0]] * 2
-    # a group of one trajectory: baseline 0 and std 1 at the episode level (not the std of its two turn
-    # scores, 9.9 and 10, which is 0.0707 and would multiply them by 14); alone at every anchor: A_S = 0
+    # a group of one trajectory of two turns (verl-agent: a group of its two rows, not a group of one):
+    # turn scores 9.9 and 10, mean 9.95, unbiased std sqrt(2 · .05² / 1) = .0707107 -> ∓.05 / .0707117;
+    # alone at every anchor: A_S = 0
     alone = [t2po.Episode(task=None, group=0, turns=[turn(0.1, "a"), turn(0.0, "b", reward=10.0)])]
     adv = t2po.gigpo_advantages(alone, gamma=0.95, omega=1.0, std_normalize=True)
-    assert adv == [pytest.approx([9.9 / (1 + 1e-6), 10 / (1 + 1e-6)])]
+    assert adv == [pytest.approx([-0.05 / (0.0707107 + 1e-6), 0.05 / (0.0707107 + 1e-6)], abs=1e-5)]
+    # a group of one turn: mean 0, std 1 (verl-agent's list of one)
+    one = [t2po.Episode(task=None, group=0, turns=[turn(0.0, "a", reward=10.0)])]
+    assert t2po.gigpo_advantages(one, 0.95, 1.0, True) == [pytest.approx([10 / (1 + 1e-6)])]
+
+
+def test_gigpo_std_normalize_is_verl_agents_mean_std_norm_over_turns():
+    """verl-agent's episode_norm_reward (compute_mean_std_cross_steps=True) averages the group's turn
+    scores, not its trajectories': a long trajectory weighs more. A wins in 1 turn (R 10), B loses in 3."""
+    a = _episode(0, [("s0", 10, 0)])
+    b = _episode(0, [("s0", 0, 0), ("s1", 0, 0), ("s2", 0, 0)])
+    # episode level, turn scores 10, 0, 0, 0: mean 2.5; deviations 7.5, -2.5 (x3): sum of squares
+    # 56.25 + 18.75 = 75, / 3 -> std 5 -> A_E = 1.5 (A), -0.5 (B's three turns). (The paper's mean over
+    # trajectories would be 5: A_E = +-1.) Step level: anchor s0 holds G = 10 and 0: mean 5, std
+    # sqrt(50) = 7.071068 -> +-0.707107; s1, s2 alone -> 0.
+    adv = t2po.gigpo_advantages([a, b], gamma=0.95, omega=1.0, std_normalize=True)
+    assert adv[0] == pytest.approx([7.5 / (5 + 1e-6) + 5 / (7.071068 + 1e-6)], abs=1e-5)
+    assert adv[1] == pytest.approx([-2.5 / (5 + 1e-6) - 5 / (7.071068 + 1e-6), -0.5, -0.5], abs=1e-5)
+    # without --std-normalize the paper's baseline: the mean of the trajectories' scores, 5
+    assert t2po.gigpo_advantages([a, b], 0.95, 0.0, False) == [[5.0], [-5.0, -5.0, -5.0]]
 
 
 def test_group_normalise_std():
