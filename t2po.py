@@ -10,6 +10,7 @@ format.
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
+    python t2po.py --no-tti --no-tds --step-advantage-weight 0   # trajectory-level GRPO (ω = 0)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
 Read beside docs/t2po.md (equations next to the lines that implement them).
 """
@@ -78,7 +79,7 @@ class Args(RunArgs):
     tti_epsilon: float = opt("algorithm", 0.05, "ε: act once mean |ΔM| < ε (ours)", ge=0)
     tti_min_think: int = opt("algorithm", 16, "L_min: thinking tokens before TTI (ours)", ge=0)
     tti_max_think: int = opt("algorithm", 0, "L_max thinking cap; 0: max_new_tokens minus min(32, "
-                             "max_new_tokens/2) for the action (authors' code: 450-500)", ge=0)
+                             "max_new_tokens/2) for the action (authors: 450; search 500)", ge=0)
     tti_chunk: int = opt("algorithm", 40, "tokens between TTI scans (waste ≤ chunk)", ge=1)
     tds: bool = opt("algorithm", True, "turn-level dynamical sampling (training only)")
     tds_eta: float = opt("algorithm", 0.3, "η: resample the turn when |Φ_k − Φ_{k−1}| < η", ge=0)
@@ -130,9 +131,9 @@ PRESETS: dict[str, dict] = {
         max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
         gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
         eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),
-    "search": dict(  # no validation sampling in its script
+    "search": dict(  # its script sets no num_think_tokens: the config default 500; no val sampling
         group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
-        history_length=4, tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False,
+        history_length=4, tti_max_think=500, eval_tasks=512, epochs=1, cold_start=False,
         std_normalize=True, step_similarity=0.9, minibatch_size=256, max_obs_chars=100_000,
         micro_batch_size=8, lora_rank=0, temperature=1.0, gradient_checkpointing=True,
         weight_decay=0.01, autocast="auto"),
