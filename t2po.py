@@ -1,27 +1,30 @@
 """T²PO — Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO plus two
-uncertainty-guided controls on the rollouts of an agent that writes `<think>…</think><action>…</action>`:
+uncertainty-guided controls on an agent that writes `<think>…</think><action>…</action>`:
 - TTI (token level): once the thinking's self-calibrated uncertainty M_t has flattened out (mean
   |M_t − M_{t−1}| over a window < ε), or at a thinking cap, force `</think>\\n<action>`.
-- TDS (turn level, training only): a turn whose aggregate uncertainty Φ_k barely differs from the previous
-  turn's is probably a repeat: throw it away and resample it from the same state.
-The rest is GiGPO (verl-agent): one sample per turn with a windowed prompt, episode- plus step-level group
-advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the format.
+- TDS (turn level, training only): a turn whose aggregate uncertainty Φ_k barely differs from the
+  previous turn's is probably a repeat: throw it away and resample it from the same state.
+The rest is GiGPO (verl-agent): one sample per turn with a windowed prompt, episode- plus step-level
+group advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the
+format.
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
+    python t2po.py --no-tti --no-tds --step-advantage-weight 0   # trajectory-level GRPO (ω = 0)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
 Read beside docs/t2po.md (equations next to the lines that implement them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -35,15 +38,17 @@ from common.models import unwrap
 from common.run import RunArgs
 from envs.base import EnvPool
 
+Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"]
+
 
 @dataclass
 class Args(RunArgs):
-    """T²PO (ICML 2026): GiGPO with uncertainty-guided thinking stops (TTI) and turn resampling (TDS)."""
+    """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
-    preset: Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"] = opt(
-        "run", "auto", "settings filled into every flag not given (PRESETS). textworld, webshop-lite: our "
-        "CPU ones; webshop, alfworld, search: the paper's, which start RL from --model with RFT off, NOT "
-        "from the paper's RFT checkpoints (RFT_CHECKPOINTS): pass one as --model to match the paper")
+    preset: Preset = opt("run", "auto", "settings filled into every flag not given (PRESETS). "
+                         "textworld, webshop-lite: our CPU ones; webshop, alfworld, search: the "
+                         "paper's, which start RL from --model with RFT off, NOT from the paper's "
+                         "RFT checkpoints (RFT_CHECKPOINTS): pass one as --model")
     # the shared flags (common/run.py) where T²PO's default differs
     steps: int = 3
     tasks_per_step: int = 1  # paper 16
@@ -54,18 +59,18 @@ class Args(RunArgs):
     cold_start_episodes: int = 6
     cold_start_lr: float = 5e-5
     epochs: int = opt("run", 0, "> 0: set --steps to this many passes over the training tasks, "
-                      "tasks-per-step at a time (the search preset: 1, its script's total_epochs)", ge=0)
+                      "tasks-per-step at a time (the search preset: 1, its total_epochs)", ge=0)
     autocast: Literal["off", "bf16", "auto"] = opt(
-        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay fp32: verl's "
-        "mixed precision); auto (every preset): on a GPU or a CPU with native bf16 (AVX512-BF16, AMX)")
+        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay "
+        "fp32: verl's mixed precision); auto (every preset): on a GPU or a CPU with native bf16")
     history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)", ge=0)
     max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts", ge=1)
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
     eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95", gt=0, le=1)
     eval_top_k: int = opt("run", 0, "paper's val sampling: 20", ge=0)
-    base_eval: bool = opt("run", True, "held-out evaluation of --model before training (greedy: seed-free)")
-    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones after the "
-                           "cold start and each RL step: a learning curve, not the step's draw (ours)", ge=0)
+    base_eval: bool = opt("run", True, "held-out evaluation of --model before training")
+    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones "
+                           "after the cold start and each RL step: a learning curve (ours)", ge=0)
     # uncertainty signal M_t (paper Sec. 3.1); alpha and j are not published: ours
     alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)", ge=0, le=1)
     top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)", ge=1)
@@ -74,94 +79,148 @@ class Args(RunArgs):
     tti_epsilon: float = opt("algorithm", 0.05, "ε: act once mean |ΔM| < ε (ours)", ge=0)
     tti_min_think: int = opt("algorithm", 16, "L_min: thinking tokens before TTI (ours)", ge=0)
     tti_max_think: int = opt("algorithm", 0, "L_max thinking cap; 0: max_new_tokens minus min(32, "
-                             "max_new_tokens/2) for the action (official code: 450)", ge=0)
+                             "max_new_tokens/2) for the action (authors: 450; search 500)", ge=0)
     tti_chunk: int = opt("algorithm", 40, "tokens between TTI scans (waste ≤ chunk)", ge=1)
     tds: bool = opt("algorithm", True, "turn-level dynamical sampling (training only)")
     tds_eta: float = opt("algorithm", 0.3, "η: resample the turn when |Φ_k − Φ_{k−1}| < η", ge=0)
     tds_max_try: int = opt("algorithm", 2, "B_max: resamples per turn", ge=0)
     success_reward: float = opt("environment", 10.0, "reward = this × success")
-    reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); env: 10 × "
-                                            "the env's own final reward (WebShop score, toy)")
-    format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own episode score "
-                                "and step return, after discounting (verl-agent)", ge=0)
-    inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list is "
-                                     "invalid too (official ALFWorld projection; on in the alfworld preset)")
+    reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); "
+                                            "env: 10 × the env's final reward (WebShop score)")
+    format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own "
+                                "episode score and step return, after discounting", ge=0)
+    inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list "
+                                     "is invalid too (official ALFWorld projection)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
-    std_normalize: bool = opt("algorithm", False, "divide advantages by the group std (mean_std_norm)")
-    step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib similarity ratio "
-                                 "≥ this (1 = identical text; the search preset: 0.9, verl-agent's "
-                                 "enable_similarity)", gt=0, le=1)
+    std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: each level "
+                              "(x − mean) / std over its group's turns (off: no std, the paper's "
+                              "trajectory mean at the episode level)")
+    step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib ratio "
+                                 "is ≥ this (1 = identical; verl-agent's enable_similarity)",
+                                 gt=0, le=1)
     clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
-    dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| per token "
-                           "(verl's actor clip_ratio_c, 3.0); 0 = off", ge=0)
-    minibatch_size: int = opt("optimisation", 32, "turns per optimizer step (ppo_mini_batch_size)", ge=1)
+    dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| "
+                           "per token (verl's clip_ratio_c); 0 = off", ge=0)
+    minibatch_size: int = opt("optimisation", 32, "turns per optimizer step", ge=1)
     cold_start_source: Literal["auto", "expert", "sample"] = opt(
-        "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where it has "
-        "one (auto), else rejection sampling from the policy (sample)")
+        "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
+        "it has one (auto), else rejection sampling from the policy (sample)")
     expert_thoughts: Literal["short", "long"] = opt(
-        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in TextWorld, the "
-        "action, then the task's sentence for this step and the steps done (~40 tokens that add nothing "
-        "once the action is written: what TTI is meant to cut; needs --max-new-tokens 96)")
+        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in "
+        "TextWorld, the action, the task's sentence for this step and the steps done (~40 tokens "
+        "that TTI is meant to cut; needs --max-new-tokens 96)")
 
 
-# The paper's settings (its scripts, examples/*_trainer/train_*.sh; webshop validates on 2 x 128 tasks; 200
-# epochs of 16 tasks: 200 steps); a flag given wins. From --model, RFT off (the paper: from RFT_CHECKPOINTS).
+# The paper's settings (its scripts, examples/*_trainer/train_*.sh: webshop validates on 2 x 128
+# tasks; 200 epochs of 16 tasks = 200 steps), from --model with RFT off (the paper: from
+# RFT_CHECKPOINTS); a flag given wins. textworld (the default run, docs/t2po.md) and webshop-lite
+# are ours, for a CPU: coin collector level 3 (3 turns; held out by walkthrough), RFT on 12 expert
+# episodes, then 4 RL steps of 2 tasks x 8; webshop-lite: no product options, verl's observations.
 PRESETS: dict[str, dict] = {
-    "webshop": dict(group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
-                    history_length=2, tti_max_think=450, eval_tasks=256, steps=200, cold_start=False,
-                    minibatch_size=128),
-    "alfworld": dict(group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6,
-                     history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
-                     std_normalize=True, kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True),
-    "search": dict(group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
-                   history_length=4, tti_max_think=450, eval_tasks=512, epochs=1, cold_start=False,
-                   std_normalize=True, step_similarity=0.9, minibatch_size=256),
+    "webshop": dict(
+        group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
+        history_length=2, tti_max_think=450, eval_tasks=256, steps=200, cold_start=False,
+        minibatch_size=128, max_obs_chars=100_000, micro_batch_size=8, lora_rank=0,
+        temperature=1.0, gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),
+    "alfworld": dict(
+        group_size=8, tasks_per_step=16, max_turns=50, max_new_tokens=500, lr=1e-6,
+        history_length=2, tti_max_think=450, eval_tasks=128, steps=200, cold_start=False,
+        std_normalize=True, kl_coef=0.01, minibatch_size=256, inadmissible_invalid=True,
+        max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
+        gradient_checkpointing=True, weight_decay=0.01, autocast="auto",
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),
+    "search": dict(  # its script sets no num_think_tokens: the config default 500; no val sampling
+        group_size=5, tasks_per_step=256, max_turns=4, max_new_tokens=500, lr=1e-6,
+        history_length=4, tti_max_think=500, eval_tasks=512, epochs=1, cold_start=False,
+        std_normalize=True, step_similarity=0.9, minibatch_size=256, max_obs_chars=100_000,
+        micro_batch_size=8, lora_rank=0, temperature=1.0, gradient_checkpointing=True,
+        weight_decay=0.01, autocast="auto"),
+    "webshop-lite": dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
+                         tds_max_try=1, autocast="auto"),
+    "textworld": dict(
+        env_options='{"level": 3, "train_games": 16, "eval_games": 8, "holdout": "walkthrough"}',
+        tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
+        cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto"),
 }
-for _preset in PRESETS.values():  # and verl's AdamW weight decay, 0.01
-    _preset.update(max_obs_chars=100_000, micro_batch_size=8, lora_rank=0, temperature=1.0,
-                   gradient_checkpointing=True, weight_decay=0.01, autocast="auto")
-for _env in ("webshop", "alfworld"):  # their scripts' validation sampling
-    PRESETS[_env].update(eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20)
-# the authors' RFT checkpoints are in the Hugging Face collection willhx/t2po (their scripts' MODEL)
-RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5", "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
-# webshop-lite (ours, CPU): no product options (3 turns), verl-agent's observations (no header with the task)
-PRESETS["webshop-lite"] = dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
-                               tds_max_try=1, autocast="auto")
-# The default run (ours; docs/t2po.md): TextWorld coin collector level 3 on a CPU (two exits, the coin: 3
-# turns; held out by walkthrough), RFT on 12 expert episodes, then 4 RL steps of 2 tasks x 8 rollouts.
-PRESETS["textworld"] = dict(env_options='{"level": 3, "train_games": 16, "eval_games": 8, '
-                                        '"holdout": "walkthrough"}',
-                            tasks_per_step=2, group_size=8, eval_tasks=8, max_turns=4, cold_start_episodes=12,
-                            cold_start_epochs=2, lr=2e-5, steps=4, tds_max_try=1, autocast="auto")
+# the authors' RFT checkpoints, in the Hugging Face collection willhx/t2po (their scripts' MODEL)
+RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
+                   "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
 
 
 def check_args(args: Args) -> None:
-    """Rules between flags (each flag's own bounds are declared with it), and the paper presets' warning."""
+    """Rules between flags (each flag's bounds are declared with it); the paper presets' warning."""
     if 0 < args.dual_clip <= 1:
         raise cli.bad_flag("t2po.py", "dual_clip", args.dual_clip, "must be > 1 (or 0 = off)")
     if not (args.base_eval or args.cold_start):
-        raise SystemExit("t2po.py: --no-base-eval needs the cold start: else nothing is evaluated before RL")
+        raise SystemExit("t2po.py: --no-base-eval needs the cold start: else nothing is "
+                         "evaluated before RL")
     if args.expert_thoughts == "long" and args.env != "textworld":
-        raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts quote "
-                           f"TextWorld's task sentences, which --env {args.env!r} does not have")
-    if args.preset in ("webshop", "alfworld", "search") and args.model != RFT_CHECKPOINTS.get(args.preset):
+        raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts "
+                           f"quote TextWorld's task sentences, which --env {args.env!r} lacks")
+    paper = args.preset in ("webshop", "alfworld", "search")
+    if paper and args.model != RFT_CHECKPOINTS.get(args.preset):
         checkpoint = RFT_CHECKPOINTS.get(args.preset, "huggingface.co/collections/willhx/t2po")
-        run.say(f"WARNING: the {args.preset} preset starts from {args.model}, NOT from the paper's RFT "
-                f"checkpoint ({checkpoint}); its numbers are not comparable to the paper's")
+        run.say(f"WARNING: the {args.preset} preset starts from {args.model}, NOT from the paper's "
+                f"RFT checkpoint ({checkpoint}); its numbers are not comparable to the paper's")
 
 
-# Prompting: task, last P turns, current observation, admissible actions; a turn's sample: prompt -> response.
-TURN_TEMPLATE = """Task: {task}
-{history}Step {step}. Observation: {observation}
-Admissible actions: [{actions}].
-Reason step by step inside <think> </think>, then give one admissible action inside <action> </action>."""
+# Records. A turn is also a training sample: prompt -> response, trained on its action_mask.
+@dataclass
+class Turn:
+    prompt_ids: list[int]  # the turn's prompt (task, last P turns, observation), chat template on
+    response_ids: list[int]  # the sampled tokens, and TTI's forced `</think>\n<action>` if it fired
+    action_mask: list[int]  # per response token: 1 = the policy sampled it, 0 = forced by TTI
+    anchor: str = ""  # the raw observation the turn acted on: GiGPO's anchor state
+    reward: float = 0.0  # r_t: success_reward × outcome on the episode's last turn, else 0
+    penalty: float = 0.0  # p_t: --format-penalty if the turn was ill-formed, else 0
+    valid: bool = True  # well formed (and admissible, with --inadmissible-invalid)
+    action: str = ""  # what the environment was sent
+    observation: str = ""  # what it answered
+    advantage: float = 0.0  # A = A_E + ω·A_S (turn_samples)
+    old_logp: torch.Tensor | None = None  # (len(prompt) + len(response) − 1,): π_old, in update
+    ref_logp: torch.Tensor | None = None  # the same under the reference (--kl-coef), in update
+
+
+@dataclass
+class Episode:
+    task: object
+    group: int  # index of its task in the step's list (on every rank): GiGPO's group
+    won: bool = False
+    score: float = 0.0  # the environment's task score (WebShop's reward), logged
+    turns: list = field(default_factory=list)  # Turn; ExpertTurn in expert_episodes
+
+
+@dataclass
+class ExpertTurn:
+    prompt: str  # the prompt the policy sees at this state, as text
+    text: str  # the expert's `<think>…</think>\n<action>…</action>`
+    valid: bool = True  # the expert's turns are well formed
+
+
+@dataclass
+class Response:  # one generated response (generate_turn), before it becomes a Turn
+    ids: list[int] = field(default_factory=list)  # sampled and forced tokens
+    action_mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
+    entropies: list[float] = field(default_factory=list)  # H_t of each sampled token
+    confidences: list[float] = field(default_factory=list)  # C_t of each sampled token
+    think_tokens: int = 0  # tokens before the thinking's end (natural or forced)
+    intervened: bool = False  # TTI forced the action
+    wasted: int = 0  # tokens generated past TTI's cut, dropped
+    finished: bool = False  # the action is written (generate_turn's phase 1 needs no phase 2)
+
+
+# Prompting: task, last P turns, current observation, admissible actions.
+TURN_TEMPLATE = ("Task: {task}\n{history}Step {step}. Observation: {observation}\n"
+                 "Admissible actions: [{actions}].\nReason step by step inside <think> </think>, "
+                 "then give one admissible action inside <action> </action>.")
 
 
 def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: str,
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
-    """history: every (observation, action) so far; the last P are shown. verl-agent's wording, shortened (on
-    a CPU each prompt token is paid twice a turn, prefill and training forward): 44 fixed tokens, not 118."""
+    """history: every (observation, action) so far; the last P are shown. verl-agent's wording,
+    shortened: on a CPU each prompt token is paid twice a turn (44 fixed tokens, not 118)."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
@@ -179,10 +238,11 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Format check and projection to an action (official: agent_system/environments/env_package/*/projection.py):
-# one <think>…</think> then one <action>…</action>, nothing else, tags case-insensitive, action lower-cased.
-# Ill-formed: invalid (penalised) but still acts: its first <action>…</action>, else its last 30 characters.
-FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$", re.DOTALL | re.IGNORECASE)
+# Format check and projection to an action (official: env_package/*/projection.py): one
+# <think>…</think> then one <action>…</action>, tags case-insensitive, action lower-cased.
+# Ill-formed: invalid (penalised) but acts: its first <action>…</action>, else its last 30 chars.
+FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$",
+                       re.DOTALL | re.IGNORECASE)
 TAG_RES = {tag: re.compile(pattern, re.IGNORECASE) for tag, pattern in [
     ("<think>", r"<\s*think\s*>"), ("</think>", r"</\s*think\s*>"),
     ("<action>", r"<\s*action\s*>"), ("</action>", r"</\s*action\s*>")]}
@@ -190,9 +250,9 @@ CJK_RE = re.compile(r"[\u4e00-\u9fff]")  # the official check: Chinese text is i
 
 
 def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str, bool]:
-    """(action, valid). Linear in len(text): the strict regex runs only once each tag occurs exactly once
-    (each lazy group then has one place to stop); the fallback takes the first `<action>` and the first
-    `</action>` after it (the leftmost lazy match). admissible (ALFWorld): an action outside it is invalid."""
+    """(action, valid). Linear in len(text): the strict regex runs only if each tag occurs once; the
+    fallback takes the first `<action>` and the first `</action>` after it (the leftmost lazy
+    match). admissible (ALFWorld): an action outside it is invalid."""
     counts_ok = all(len(pattern.findall(text)) == 1 for pattern in TAG_RES.values())
     match = FORMAT_RE.match(text) if counts_ok and not CJK_RE.search(text) else None
     if match is not None:
@@ -207,14 +267,14 @@ def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str,
 
 # Uncertainty signal (paper Sec. 3.1)
 def token_confidence(top_logprobs: list[float], j: int) -> float:
-    """C_t = −(1/j) Σ_{i≤j} log p_t^(i) over the top-j probabilities (DeepConf; higher = more peaked)."""
+    """C_t = −(1/j) Σ_{i≤j} log p_t^(i) over the top-j probabilities (DeepConf; high = peaked)."""
     top = sorted(top_logprobs, reverse=True)[:j]
     return -sum(top) / len(top)
 
 
 def minmax(values: list[float], causal: bool) -> list[float]:
-    """x̃_t = (x_t − x_min) / (x_max − x_min), over the whole generation, or (causal) over tokens ≤ t
-    only, as an online logits processor sees them. A flat range normalises to 0 (our choice)."""
+    """x̃_t = (x_t − x_min) / (x_max − x_min), over the whole generation, or (causal) over tokens
+    ≤ t only, as an online logits processor sees them. A flat range normalises to 0 (ours)."""
     out, lo, hi = [], math.inf, -math.inf
     if not causal and values:
         lo, hi = min(values), max(values)
@@ -225,7 +285,8 @@ def minmax(values: list[float], causal: bool) -> list[float]:
     return out
 
 
-def uncertainty(entropies: list[float], confidences: list[float], alpha: float, causal: bool) -> list[float]:
+def uncertainty(entropies: list[float], confidences: list[float], alpha: float,
+                causal: bool) -> list[float]:
     """M_t = α·H̃_t + (1−α)·(1 − C̃_t)  (paper Eq. for the self-calibrated uncertainty)."""
     h, c = minmax(entropies, causal), minmax(confidences, causal)
     return [alpha * ht + (1 - alpha) * (1 - ct) for ht, ct in zip(h, c, strict=True)]
@@ -237,8 +298,8 @@ FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<actio
 
 def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: int, epsilon: float,
                    start: int = 0) -> int | None:
-    """First thinking token t ≥ start (0-based) after which TTI forces the action, or None. Causal (M_0..M_t):
-    fires when t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}| over s = t−N..t is < ε, or at t+1 = L_max."""
+    """First thinking token t ≥ start (0-based) after which TTI forces the action, or None: when
+    t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}| over s = t−N..t is < ε, or at t+1 = L_max."""
     for t in range(start, len(m)):
         if t + 1 >= max_think:
             return t
@@ -250,103 +311,103 @@ def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: in
 
 
 def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[int], args: Args, *,
-                  temperature: float, top_p: float = 1.0, top_k: int = 0, tti: bool) -> list[dict]:
-    """One response per prompt. With TTI: the thinking in chunks, each scanned with the causal rule, cut at
-    the firing token, FORCED_TEXT appended, then the action. Noise keyed on (seed, position) makes this equal
-    an online logits processor token for token (≤ tti_chunk tokens wasted). Per prompt: ids, sampled (1 =
-    policy, 0 = forced), entropies, confidences (of sampled tokens), think_tokens, intervened, wasted."""
+                  temperature: float, top_p: float = 1.0, top_k: int = 0,
+                  tti: bool) -> list[Response]:
+    """One response per prompt. With TTI: the thinking in chunks, each scanned with the causal rule,
+    cut at the firing token, FORCED_TEXT appended, then the action. Noise keyed on (seed, position)
+    makes this equal an online logits processor token for token (≤ tti_chunk tokens wasted)."""
     budget = args.max_new_tokens
-    max_think = args.tti_max_think or budget - min(32, budget // 2)  # leave room to write the action
+    max_think = args.tti_max_think or budget - min(32, budget // 2)  # leave room for the action
     gen_kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs_k=args.top_j)
     forced = tokenizer(FORCED_TEXT, add_special_tokens=False)["input_ids"]
-    outs = [dict(ids=[], sampled=[], entropies=[], confidences=[], think_tokens=0, intervened=False,
-                 wasted=0, finished=False) for _ in prompts]
+    outs = [Response() for _ in prompts]
 
-    def extend(out: dict, sample, n: int) -> None:
-        out["ids"] += sample.token_ids[:n]
-        out["sampled"] += [1] * n
-        out["entropies"] += sample.entropies[:n]
-        out["confidences"] += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
+    def extend(out: Response, sample, n: int) -> None:
+        out.ids += sample.token_ids[:n]
+        out.action_mask += [1] * n
+        out.entropies += sample.entropies[:n]
+        out.confidences += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
 
-    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past a natural
-    # </think> to </action>: one call per turn when it covers the response (a CPU pays each call's prefill).
+    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past
+    # a natural </think> to </action>: one call per turn when it covers the response.
     thinking = list(range(len(prompts))) if tti else []
     while thinking:
-        chunk = min(args.tti_chunk, budget - min(len(outs[i]["ids"]) for i in thinking))
-        samples = generator.generate([prompts[i] + outs[i]["ids"] for i in thinking], max_new_tokens=chunk,
-                                     stop=["</action>"], seeds=[seeds[i] for i in thinking], **gen_kwargs)
+        chunk = min(args.tti_chunk, budget - min(len(outs[i].ids) for i in thinking))
+        samples = generator.generate([prompts[i] + outs[i].ids for i in thinking],
+                                     max_new_tokens=chunk, stop=["</action>"],
+                                     seeds=[seeds[i] for i in thinking], **gen_kwargs)
         still = []
         for i, [sample] in zip(thinking, samples, strict=True):
-            out, done_before = outs[i], len(outs[i]["ids"])
+            out, done_before = outs[i], len(outs[i].ids)
             n_new = min(len(sample.token_ids), budget - done_before)
-            all_ids = out["ids"] + sample.token_ids[:n_new]
-            end = first_prefix_containing(tokenizer, all_ids, "</think>")  # natural end of thinking
-            think_len = (end - 1) if end is not None else len(all_ids)  # tokens before the closing token
-            conf = out["confidences"] + [token_confidence(lp, args.top_j)
-                                         for lp in sample.top_logprobs[:n_new]]
-            ent = out["entropies"] + sample.entropies[:n_new]
+            all_ids = out.ids + sample.token_ids[:n_new]
+            end = first_prefix_containing(tokenizer, all_ids, "</think>")  # thinking's own end
+            think_len = (end - 1) if end is not None else len(all_ids)  # before the closing token
+            conf = out.confidences + [token_confidence(lp, args.top_j)
+                                      for lp in sample.top_logprobs[:n_new]]
+            ent = out.entropies + sample.entropies[:n_new]
             m = uncertainty(ent[:think_len], conf[:think_len], args.alpha, causal=True)
             fire = tti_fire_index(m, min_think=args.tti_min_think, max_think=max_think,
-                                  window=args.tti_window, epsilon=args.tti_epsilon, start=done_before)
+                                  window=args.tti_window, epsilon=args.tti_epsilon,
+                                  start=done_before)
             if fire is not None:  # cut after token `fire`, force the transition to the action
                 keep = fire + 1 - done_before
                 extend(out, sample, keep)
-                out["wasted"] += n_new - keep
-                out["ids"], out["sampled"] = out["ids"] + forced, out["sampled"] + [0] * len(forced)
-                out["think_tokens"], out["intervened"] = fire + 1, True
+                out.wasted += n_new - keep
+                out.ids, out.action_mask = out.ids + forced, out.action_mask + [0] * len(forced)
+                out.think_tokens, out.intervened = fire + 1, True
                 continue
             extend(out, sample, n_new)
-            # "stop": the chunk reached </action>, with or without a </think> before it: the turn is over
-            ended = sample.finish_reason in ("eos", "stop") or len(out["ids"]) >= budget
+            # "stop": the chunk reached </action>, with or without a </think> before it: turn over
+            ended = sample.finish_reason in ("eos", "stop") or len(out.ids) >= budget
             if end is not None:  # thought to its own end; the action may already be in this chunk
-                out["think_tokens"] = think_len
-                out["finished"] = ended or "</action>" in tokenizer.decode(out["ids"])
+                out.think_tokens = think_len
+                out.finished = ended or "</action>" in tokenizer.decode(out.ids)
             elif ended:
-                out["think_tokens"], out["finished"] = len(out["ids"]), True
+                out.think_tokens, out.finished = len(out.ids), True
             else:
                 still.append(i)
         thinking = still
 
     # Phase 2, the action (or the whole response without TTI): one call, stop at </action>.
-    acting = [i for i, o in enumerate(outs) if not o["finished"] and len(o["ids"]) < budget]
+    acting = [i for i, o in enumerate(outs) if not o.finished and len(o.ids) < budget]
     if acting:
-        samples = generator.generate([prompts[i] + outs[i]["ids"] for i in acting],
-                                     max_new_tokens=budget - min(len(outs[i]["ids"]) for i in acting),
-                                     stop=["</action>"], seeds=[seeds[i] for i in acting], **gen_kwargs)
+        samples = generator.generate([prompts[i] + outs[i].ids for i in acting],
+                                     max_new_tokens=budget - min(len(outs[i].ids) for i in acting),
+                                     stop=["</action>"], seeds=[seeds[i] for i in acting],
+                                     **gen_kwargs)
         for i, [sample] in zip(acting, samples, strict=True):
-            extend(outs[i], sample, min(len(sample.token_ids), budget - len(outs[i]["ids"])))
-    for out in outs:
-        if not tti:
-            end = first_prefix_containing(tokenizer, out["ids"], "</think>")
-            out["think_tokens"] = (end - 1) if end is not None else len(out["ids"])
-        del out["finished"]
+            extend(outs[i], sample, min(len(sample.token_ids), budget - len(outs[i].ids)))
+    if not tti:
+        for out in outs:
+            end = first_prefix_containing(tokenizer, out.ids, "</think>")
+            out.think_tokens = (end - 1) if end is not None else len(out.ids)
     return outs
 
 
 # TDS: turn-level dynamical sampling (training rollouts only)
 def turn_signal(m: list[float]) -> float:
-    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros (one would zero it): min–max
-    puts a 0 where the least-entropy token is also the most confident (the scale's anchor, not a certain
-    token); a floor instead makes Φ depend on the length (floor^(1/T)). No nonzero M: 0 (no signal)."""
+    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros, min–max's anchor
+    (a floor would make Φ depend on the length, floor^(1/T)). No nonzero M: 0 (no signal)."""
     logs = [math.log(x) for x in m if x > 0]
     return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
 
-def tds_phis(prev: dict, cur: dict, alpha: float) -> tuple[float, float]:
-    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max runs over the policy tokens of both turns, so Γ_k compares
-    their levels (normalised per turn, every turn's M would span [0, 1] and Γ would only compare shapes)."""
-    m = uncertainty(prev["entropies"] + cur["entropies"], prev["confidences"] + cur["confidences"], alpha,
+def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]:
+    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max over the policy tokens of both turns, so Γ_k
+    compares their levels (per turn, every M would span [0, 1]: Γ would compare shapes)."""
+    m = uncertainty(prev.entropies + cur.entropies, prev.confidences + cur.confidences, alpha,
                     causal=False)
-    split = len(prev["entropies"])
+    split = len(prev.entropies)
     return turn_signal(m[:split]), turn_signal(m[split:])
 
 
 def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
-    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0 (no signal)."""
+    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0."""
     return phi_prev is not None and 0 < abs(phi - phi_prev) < eta
 
 
-def tds_redo(prev: dict | None, cur: dict, args: Args) -> bool:
+def tds_redo(prev: Response | None, cur: Response, args: Args) -> bool:
     """Resample turn `cur` given the kept previous turn of its episode (None at k = 0)?"""
     if prev is None:
         return False
@@ -364,8 +425,8 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 
 
 def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> dict:
-    """key -> (mean, std) of its values, std unbiased as torch.std. A group of one: baseline 0 and std 1
-    (episode level, as verl-agent's list of one) or itself (step level: no comparison, advantage 0)."""
+    """key -> (mean, std) of its values, std unbiased as torch.std. A group of one: mean 0 and std 1
+    (episode level, as verl-agent) or itself (step level: no comparison, advantage 0)."""
     groups: dict = defaultdict(list)
     for k, v in zip(keys, values, strict=True):
         groups[k].append(v)
@@ -379,82 +440,85 @@ def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> d
 
 def group_normalise(values: list[float], keys: list, std_normalize: bool, singleton_mean_zero: bool,
                     stats: dict | None = None) -> list[float]:
-    """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std) if not of `values`."""
+    """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std), if given."""
     stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
     return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
             for k, v in zip(keys, values, strict=True)]
 
 
-def anchor_keys(episodes: list[dict], similarity: float) -> list[tuple]:
-    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or (enable_similarity)
-    the group's first cluster whose first observation has difflib ratio ≥ similarity, else a new one."""
+def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
+    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or the
+    group's first cluster whose first observation has difflib ratio ≥ similarity, else a new one."""
     representatives: dict = defaultdict(list)  # group -> first observation of each cluster
     keys = []
     for ep in episodes:
-        for turn in ep["turns"]:
+        for turn in ep.turns:
             if similarity >= 1:
-                keys.append((ep["group"], turn["anchor"]))
+                keys.append((ep.group, turn.anchor))
                 continue
-            reps = representatives[ep["group"]]
-            ratios = (difflib.SequenceMatcher(None, turn["anchor"], rep).ratio() for rep in reps)
+            reps = representatives[ep.group]
+            ratios = (difflib.SequenceMatcher(None, turn.anchor, rep).ratio() for rep in reps)
             cluster = next((c for c, ratio in enumerate(ratios) if ratio >= similarity), None)
             if cluster is None:
-                reps.append(turn["anchor"])
+                reps.append(turn.anchor)
                 cluster = len(reps) - 1
-            keys.append((ep["group"], cluster))
+            keys.append((ep.group, cluster))
     return keys
 
 
-def gigpo_advantages(episodes: list[dict], gamma: float, omega: float, std_normalize: bool,
+def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_normalize: bool,
                      similarity: float = 1.0) -> list[list[float]]:
-    """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted from that
-    turn's own scores after discounting, as verl-agent, so it does not reach the trajectory's other turns):
-    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (as the paper);
-    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose raw
-      observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
-    std_normalize (mean_std_norm): each part / (std + 1e-6), the unbiased std of the values it normalises
-    (episode level: the group's turn scores R_j − p_t; a group of one trajectory keeps std 1)."""
-    returns = [sum(t["reward"] for t in ep["turns"]) for ep in episodes]
-    groups = [ep["group"] for ep in episodes]
-    trajectory_scores = [r - sum(t["penalty"] for t in ep["turns"]) / max(1, len(ep["turns"]))
-                         for r, ep in zip(returns, episodes, strict=True)]
-    episode_stats = group_stats(trajectory_scores, groups, singleton_mean_zero=True)
+    """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted
+    from that turn's own scores after discounting, as verl-agent: it reaches no other turn):
+    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
+    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose
+      raw observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
+    std_normalize: verl-agent's mean_std_norm exactly (episode_norm_reward with its default
+    compute_mean_std_cross_steps, step_norm_reward): each level (x − mean) / (std + 1e-6), mean and
+    unbiased std over its group's turns (episode level: the turn scores R_j − p_t, so a longer
+    trajectory weighs more in the mean, unlike the paper's); a group of one turn: 0 and 1."""
+    returns = [sum(t.reward for t in ep.turns) for ep in episodes]
     step_values, episode_values, episode_keys = [], [], []
     for r, ep in zip(returns, episodes, strict=True):
-        g_t = discounted_returns([t["reward"] for t in ep["turns"]], gamma)
-        step_values += [g - t["penalty"] for g, t in zip(g_t, ep["turns"], strict=True)]
-        episode_values += [r - t["penalty"] for t in ep["turns"]]
-        episode_keys += [ep["group"]] * len(ep["turns"])
-    if std_normalize:  # the std of the turn scores being normalised, not of the trajectories' means
-        turn_std = {g: std for g, (_, std) in group_stats(episode_values, episode_keys, False).items()}
-        episode_stats = {g: (mean, turn_std.get(g, std) if groups.count(g) > 1 else std)
-                         for g, (mean, std) in episode_stats.items()}
-    a_episode = group_normalise(episode_values, episode_keys, std_normalize, True, episode_stats)
+        g_t = discounted_returns([t.reward for t in ep.turns], gamma)
+        step_values += [g - t.penalty for g, t in zip(g_t, ep.turns, strict=True)]
+        episode_values += [r - t.penalty for t in ep.turns]
+        episode_keys += [ep.group] * len(ep.turns)
+    if std_normalize:  # verl-agent: mean and std over the group's turns
+        a_episode = group_normalise(episode_values, episode_keys, True, singleton_mean_zero=True)
+    else:  # the paper: the mean over the group's trajectories
+        trajectory_scores = [r - sum(t.penalty for t in ep.turns) / max(1, len(ep.turns))
+                             for r, ep in zip(returns, episodes, strict=True)]
+        stats = group_stats(trajectory_scores, [ep.group for ep in episodes], True)
+        a_episode = group_normalise(episode_values, episode_keys, False, True, stats)
     a_step = group_normalise(step_values, anchor_keys(episodes, similarity), std_normalize, False)
     flat = iter(a + omega * b for a, b in zip(a_episode, a_step, strict=True))
-    return [[next(flat) for _ in ep["turns"]] for ep in episodes]
+    return [[next(flat) for _ in ep.turns] for ep in episodes]
 
 
-# Rollout: every episode of a batch advances one turn at a time; each turn is generated as one batch.
-def turn_seed(*key: int) -> int:
+# Rollout: every episode of a batch advances one turn at a time; a turn is generated as one batch.
+def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attempt: int = 0) -> int:
+    """The sampling seed of one turn: of training step `step` (train), or of an evaluation after
+    `step` updates (−1: RFT's sampling); episode: its global id; attempt: TDS's resample number."""
+    step = step - 1 if train else step  # training keys on the step's 0-based index, as before
+    key = [seed, step, int(train), episode, turn, attempt]
     return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
 
 
-def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *, step: int,
-            train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
-            keys: list[int] | None = None) -> tuple[list[dict], dict]:
-    """(episodes: group, won, score, turns; stats). A turn: the sample (prompt ids → response ids, mask of
-    policy tokens), anchor observation, r_t, p_t. keys: a global id per episode (default 0..n−1) keying its
-    seeds, so an episode draws the same tokens on whichever rank plays it (or resumes it)."""
+def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *,
+            step: int, train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
+            keys: list[int] | None = None) -> tuple[list[Episode], dict]:
+    """(episodes, counters summed over turns). keys: a global id per episode (default 0..n−1)
+    keying its seeds: an episode draws the same tokens on whichever rank plays it."""
     n, keys, stats = len(tasks), keys or list(range(len(tasks))), defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
         return [], stats
     obs, infos = map(list, zip(*pool.reset(tasks), strict=True))
     instruction = [i.get("instruction", "") for i in infos]
     history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
-    episodes = [dict(task=tasks[i], group=groups[i], won=False, score=0.0, turns=[]) for i in range(n)]
+    episodes = [Episode(task=tasks[i], group=groups[i]) for i in range(n)]
     done = [bool(i.get("error")) for i in infos]
-    prev_out: list[dict | None] = [None] * n  # the kept previous turn, for TDS's Γ_k
+    prev_out: list[Response | None] = [None] * n  # the kept previous turn, for TDS's Γ_k
     for k in range(args.max_turns):
         active = [i for i in range(n) if not done[i]]
         if not active:
@@ -462,94 +526,103 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         prompts = [encode_prompt(tokenizer, build_turn_prompt(
             instruction[i], history[i], obs[i], infos[i].get("admissible_actions") or [],
             args.history_length, args.max_obs_chars)) for i in active]
-        seeds = [turn_seed(args.seed, step, int(train), keys[i], k, 0) for i in active]
-        outs = generate_turn(generator, tokenizer, prompts, seeds, args, temperature=temperature,
-                             top_p=top_p, top_k=top_k, tti=args.tti)
+        seeds = [turn_seed(args.seed, step, train, keys[i], k) for i in active]
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
+        outs = generate_turn(generator, tokenizer, prompts, seeds, args, **sampling)
         resamples = [0] * len(active)
         if train and args.tds:  # TDS: same prompt, fresh seed, at most B_max times
             for attempt in range(1, args.tds_max_try + 1):
                 redo = [j for j, i in enumerate(active) if tds_redo(prev_out[i], outs[j], args)]
                 if not redo:
                     break
-                redo_seeds = [turn_seed(args.seed, step, 1, keys[active[j]], k, attempt) for j in redo]
-                new = generate_turn(generator, tokenizer, [prompts[j] for j in redo], redo_seeds, args,
-                                    temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
+                redo_seeds = [turn_seed(args.seed, step, True, keys[active[j]], k, attempt)
+                              for j in redo]
+                new = generate_turn(generator, tokenizer, [prompts[j] for j in redo], redo_seeds,
+                                    args, **sampling)
                 for j, o in zip(redo, new, strict=True):
                     outs[j], resamples[j] = o, resamples[j] + 1
-        texts = [tokenizer.decode(o["ids"], skip_special_tokens=True) for o in outs]
-        parsed = [parse_response(t, (infos[i].get("admissible_actions") or None) if args.inadmissible_invalid
-                                 else None) for t, i in zip(texts, active, strict=True)]
+        texts = [tokenizer.decode(o.ids, skip_special_tokens=True) for o in outs]
+        admissible = [(infos[i].get("admissible_actions") or None) if args.inadmissible_invalid
+                      else None for i in active]
+        parsed = [parse_response(t, a) for t, a in zip(texts, admissible, strict=True)]
         acting = dict(zip(active, (action for action, _ in parsed), strict=True))
         results = pool.step([acting.get(i) for i in range(n)])  # None: the episode is over
         for j, i in enumerate(active):
             (next_obs, env_reward, env_done, info), (action, valid) = results[i], parsed[j]
             won = bool(info.get("won", False))
             outcome = won if args.reward == "success" else float(env_reward)
-            reward = args.success_reward * outcome if env_done else 0.0
-            episodes[i]["turns"].append(dict(
-                prompt_ids=prompts[j], response_ids=outs[j]["ids"], mask=outs[j]["sampled"],
-                anchor=obs[i], reward=reward, penalty=0.0 if valid else args.format_penalty, valid=valid,
-                action=action, observation=next_obs))
-            for key, x in dict(turns=1, tokens=len(outs[j]["ids"]), think_tokens=outs[j]["think_tokens"],
-                               tti_interventions=outs[j]["intervened"], tti_wasted_tokens=outs[j]["wasted"],
-                               tds_resamples=resamples[j], invalid=not valid,
+            episodes[i].turns.append(Turn(
+                prompt_ids=prompts[j], response_ids=outs[j].ids, action_mask=outs[j].action_mask,
+                anchor=obs[i], reward=args.success_reward * outcome if env_done else 0.0,
+                penalty=0.0 if valid else args.format_penalty, valid=valid, action=action,
+                observation=next_obs))
+            for key, x in dict(turns=1, tokens=len(outs[j].ids), tti_wasted_tokens=outs[j].wasted,
+                               think_tokens=outs[j].think_tokens, tds_resamples=resamples[j],
+                               tti_interventions=outs[j].intervened, invalid=not valid,
                                inadmissible=not info.get("valid_action", True)).items():
                 stats[key] += x
             history[i].append((obs[i], action))
             obs[i], infos[i], prev_out[i] = next_obs, info, outs[j]
             if env_done or info.get("error"):
                 done[i] = True
-                episodes[i]["won"], episodes[i]["score"] = won, float(info.get("task_score", 0.0))
+                episodes[i].won, episodes[i].score = won, float(info.get("task_score", 0.0))
     return episodes, stats
 
 
-def summarise(episodes: list[dict], stats: dict, prefix: str = "", gather: bool = False) -> dict:
+def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
+                    gather: bool = False) -> dict:
     """Rollout metrics; gather=True (training, under torchrun): over every rank's episodes."""
-    rows = [(ep["won"], ep["score"], sum(t["reward"] - t["penalty"] for t in ep["turns"])) for ep in episodes]
+    rows = [(ep.won, ep.score, sum(t.reward - t.penalty for t in ep.turns)) for ep in episodes]
     if gather:  # every rank's rows; their counters summed in rank order
         parts = dist.all_gather_object((rows, dict(stats)))
         rows, stats = [r for part, _ in parts for r in part], defaultdict(float)
         for key, value in ((k, v) for _, part in parts for k, v in part.items()):
             stats[key] += value
-    won, score, reward = (np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows else ([0.0],) * 3
+    won, score, reward = ((np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows
+                          else ([0.0],) * 3)
     turns = max(1.0, stats["turns"])
-    out = {"rollouts": len(rows), "success_rate": float(np.mean(won)), "score": float(np.mean(score)),
-           "reward_mean": float(np.mean(reward)), "turns_per_episode": stats["turns"] / max(1, len(rows)),
-           "tokens_per_turn": stats["tokens"] / turns, "think_tokens_per_turn": stats["think_tokens"] / turns,
-           "tti_interventions": stats["tti_interventions"] / turns, "tds_resamples": stats["tds_resamples"],
-           "tti_wasted_tokens": stats["tti_wasted_tokens"], "format_error_rate": stats["invalid"] / turns,
-           "inadmissible_rate": stats["inadmissible"] / turns}
+    per_turn = {"tokens_per_turn": "tokens", "think_tokens_per_turn": "think_tokens",
+                "tti_interventions": "tti_interventions", "format_error_rate": "invalid",
+                "inadmissible_rate": "inadmissible"}
+    out = {"rollouts": len(rows), "success_rate": float(np.mean(won)),
+           "score": float(np.mean(score)), "reward_mean": float(np.mean(reward)),
+           "turns_per_episode": stats["turns"] / max(1, len(rows)),
+           **{name: stats[key] / turns for name, key in per_turn.items()},
+           "tds_resamples": stats["tds_resamples"], "tti_wasted_tokens": stats["tti_wasted_tokens"]}
     return {prefix + k: v for k, v in out.items()}
 
 
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int, stage: str = "",
-             prefix: str = "eval/") -> dict:
-    """Held-out (or probe/) episodes, one per task; TTI on (it is part of inference), TDS off (training)."""
+def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int,
+             stage: str = "", prefix: str = "eval/") -> dict:
+    """Held-out (or probe/) episodes, one per task; TTI on (it is part of inference), TDS off
+    (training). stage: its transcripts' name (base, cold_start, step_{n}, probe_step_{n}, rl)."""
     t0 = time.time()
-    episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args, step=step,
-                              train=False, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                              top_k=args.eval_top_k)
-    m = {**summarise(episodes, stats, prefix=prefix), prefix + "time_s": time.time() - t0}
+    episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args,
+                              step=step, train=False, temperature=args.eval_temperature,
+                              top_p=args.eval_top_p, top_k=args.eval_top_k)
+    m = {**rollout_metrics(episodes, stats, prefix=prefix), prefix + "time_s": time.time() - t0}
     if stage:  # the episodes as text (prompt, response, action, observation, reward per turn)
-        run.write_transcripts(args, stage, [dict(task=ep["task"], won=ep["won"], score=ep["score"],
-                                                 reward=sum(t["reward"] for t in ep["turns"]), turns=[
-            dict(prompt=tokenizer.decode(t["prompt_ids"]), response=tokenizer.decode(t["response_ids"]),
-                 **{k: t[k] for k in ("action", "observation", "reward", "valid")}) for t in ep["turns"]])
-            for ep in episodes])
-        run.say(f"[{stage}] {'held-out' if prefix == 'eval/' else prefix[:-1]} success "
-                f"{m[prefix + 'success_rate']:.3f}  score {m[prefix + 'score']:.3f}  tokens/turn "
-                f"{m[prefix + 'tokens_per_turn']:.1f}  invalid {m[prefix + 'format_error_rate']:.2f}")
+        run.write_transcripts(args, stage, [dict(
+            task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
+            turns=[dict(prompt=tokenizer.decode(t.prompt_ids), response=tokenizer.decode(
+                t.response_ids), action=t.action, observation=t.observation, reward=t.reward,
+                valid=t.valid) for t in ep.turns]) for ep in episodes])
+        who = "held-out" if prefix == "eval/" else prefix[:-1]
+        run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  "
+                f"score {m[prefix + 'score']:.3f}  "
+                f"tokens/turn {m[prefix + 'tokens_per_turn']:.1f}  "
+                f"invalid {m[prefix + 'format_error_rate']:.2f}")
     return m
 
 
 # Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
-def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
-    """Replay the environment's scripted expert (`env.expert_action()`, with `env.expert_thought()` as its
-    reason), written as `<think>…</think><action>…</action>` turns with the same prompts the policy sees."""
+def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
+    """Replay the environment's scripted expert (`env.expert_action()`, `env.expert_thought()` its
+    reason) as `<think>…</think><action>…</action>` turns with the prompts the policy sees."""
     episodes = []
     for task in tasks:
         obs, info = env.reset(task)
-        history, turns, won = [], [], False
+        episode, history = Episode(task=task, group=0), []
         for _ in range(args.max_turns):
             action = env.expert_action()
             prompt = build_turn_prompt(info.get("instruction", ""), history, obs,
@@ -558,23 +631,25 @@ def expert_episodes(env, tasks: list, args: Args) -> list[dict]:
             thought = env.expert_thought(action, long=args.expert_thoughts == "long")
             text = f"<think>{thought}</think>\n<action>{action}</action>"
             next_obs, _, done, info = env.step(action)
-            turns.append(dict(prompt=prompt, text=text, valid=True))
+            episode.turns.append(ExpertTurn(prompt=prompt, text=text))
             history.append((obs, action))
-            obs, won = next_obs, bool(info.get("won", False))
+            obs, episode.won = next_obs, bool(info.get("won", False))
             if done:
                 break
-        episodes.append(dict(won=won, turns=turns))
+        episodes.append(episode)
     return episodes
 
 
-def rft_keep(episodes: list[dict]) -> list[dict]:
-    """RFT keeps the successful trajectories whose every turn is well formed; returns their turns."""
-    return [t for ep in episodes if ep["won"] and all(t["valid"] for t in ep["turns"]) for t in ep["turns"]]
+def rft_keep(episodes: list[Episode]) -> list:
+    """RFT keeps the successful trajectories whose every turn is well formed: their turns."""
+    return [t for ep in episodes if ep.won and all(t.valid for t in ep.turns) for t in ep.turns]
 
 
-def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list, args: Args) -> tuple:
-    """Rejection sampling from the policy: ranks split --cold-start-episodes; each keeps all ranks' wins."""
-    episodes, turns, per_rank = [], [], args.group_size  # episodes per rank per round
+def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
+                      args: Args) -> tuple[list[bool], list[Turn]]:
+    """Rejection sampling from the policy: ranks split --cold-start-episodes; each keeps all ranks'
+    wins. Returns every episode's won, and the kept turns."""
+    wins, turns, per_rank = [], [], args.group_size  # episodes per rank per round
     pool = EnvPool(args.env, per_rank, **options)
     for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
         first = r * dist.world_size() * per_rank
@@ -582,33 +657,35 @@ def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list, ar
         tasks = [train_tasks[i % len(train_tasks)] for i in ids]
         eps, _ = rollout(generator, tokenizer, pool, tasks, ids, args, step=-1, train=False,
                          temperature=args.temperature, keys=ids)
-        for part_eps, part_turns in dist.all_gather_object(([e["won"] for e in eps], rft_keep(eps))):
-            episodes += [dict(won=won) for won in part_eps]
-            turns += [{k: t[k] for k in ("prompt_ids", "response_ids", "mask")} for t in part_turns]
-    return episodes, turns
+        kept = [Turn(t.prompt_ids, t.response_ids, t.action_mask) for t in rft_keep(eps)]
+        for part_wins, part_turns in dist.all_gather_object(([e.won for e in eps], kept)):
+            wins += part_wins
+            turns += part_turns
+    return wins, turns
 
 
 def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rng=None) -> dict:
-    """RFT: SFT on the turns of successful, well-formed trajectories of the env's scripted expert (or of the
-    policy itself): the mean NLL of the policy's tokens (a sampled turn's TTI-forced tokens are masked)."""
+    """RFT: SFT on the turns of successful, well-formed trajectories of the env's scripted expert
+    (or of the policy): the mean NLL of the policy's tokens (TTI-forced tokens are masked)."""
     t0 = time.time()
     rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
     has_expert = hasattr(env, "expert_action")
     source = args.cold_start_source.replace("auto", "expert" if has_expert else "sample")
     if source == "expert" and not has_expert:
-        raise cli.bad_flag("t2po.py", "cold_start_source", source, f"{args.env!r} has no scripted expert")
+        raise cli.bad_flag("t2po.py", "cold_start_source", source,
+                           f"{args.env!r} has no scripted expert")
     if source == "expert":
-        picks = rng.choice(len(train_tasks), min(args.cold_start_episodes, len(train_tasks)), replace=False)
+        n = min(args.cold_start_episodes, len(train_tasks))
+        picks = rng.choice(len(train_tasks), n, replace=False)
         episodes = expert_episodes(env, [train_tasks[i] for i in picks], args)
-        eos = [r.tokenizer.eos_token_id]
-        responses = [(t, r.tokenizer(t["text"], add_special_tokens=False)["input_ids"] + eos)
+        wins, eos = [ep.won for ep in episodes], [r.tokenizer.eos_token_id]
+        responses = [(t, r.tokenizer(t.text, add_special_tokens=False)["input_ids"] + eos)
                      for t in rft_keep(episodes)]
-        turns = [dict(prompt_ids=encode_prompt(r.tokenizer, t["prompt"]), response_ids=x, mask=[1] * len(x))
-                 for t, x in responses]
+        turns = [Turn(encode_prompt(r.tokenizer, t.prompt), x, [1] * len(x)) for t, x in responses]
     else:
-        episodes, turns = sampled_rft_turns(r.generator, r.tokenizer, options, train_tasks, args)
-    run.say(f"[rft] {len(turns)} turns kept from {sum(ep['won'] for ep in episodes)}/{len(episodes)} "
-            f"successful episodes ({source})")
+        wins, turns = sampled_rft_turns(r.generator, r.tokenizer, options, train_tasks, args)
+    run.say(f"[rft] {len(turns)} turns kept from {sum(wins)}/{len(wins)} successful episodes "
+            f"({source})")
     if not turns:
         return {}
     log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows])
@@ -619,170 +696,233 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
                        permute=lambda n: rng.permutation(n).tolist())
     r.generator.update_weights(r.model)
     run.say(f"[rft] SFT loss {loss:.3f}  ({time.time() - t0:.0f}s)")
-    return {"cold_start/episodes": sum(ep["won"] for ep in episodes), "cold_start/samples": len(turns),
+    return {"cold_start/episodes": sum(wins), "cold_start/samples": len(turns),
             "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
 
 
 # Loss and update: PPO clip, token-mean over the minibatch, optional low-var KL.
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                  clip_eps: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by the minibatch's
-    token count: token-mean), and the number of clipped tokens. dual_clip c > 1 (Ye et al. 2020, verl's
-    actor): where A < 0 a token's loss is also capped at −c·A, so a huge ratio on a bad token is bounded."""
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                  action_mask: torch.Tensor, clip_eps: float,
+                  dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by the
+    minibatch's token count), and the number of clipped tokens. dual_clip c > 1 (Ye et al. 2020,
+    verl's actor): where A < 0 a token's loss is also capped at −c·A (a huge ratio is bounded)."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     token_loss = -torch.minimum(unclipped, clipped)
     if dual_clip > 0:
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, -dual_clip * adv), token_loss)
-    n_clipped = ((clipped < unclipped).float() * mask).sum()
-    return (token_loss * mask).sum(), n_clipped
+    n_clipped = ((clipped < unclipped).float() * action_mask).sum()
+    return (token_loss * action_mask).sum(), n_clipped
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ, clamped to
-    [−10, 10] as verl's `low_var_kl` (the ALFWorld script's) so that one far-moved token cannot dominate."""
+    """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ,
+    clamped to [−10, 10] as verl's `low_var_kl` (the ALFWorld script's)."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
 
-def turn_batch(samples: list[dict], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """prompt + response right-padded: (B, T) input ids, attention mask and loss mask (1 = a token the policy
-    sampled), on the policy's device (on a GPU the forward refuses inputs left on the CPU)."""
-    seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
-    masks = [[0] * len(s["prompt_ids"]) + s["mask"] for s in samples]
+def turn_key(turn: Turn) -> tuple:
+    return tuple(turn.prompt_ids), tuple(turn.response_ids), tuple(turn.action_mask)
+
+
+def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
+    """The distinct turns (a repeated one runs once), prompt + response right-padded, on `device`:
+    input_ids and attention_mask (U, T); action_mask (U, T-1), 1 where target t+1 is a token the
+    policy sampled; rows (B,): the row of each of `turns`."""
+    keys = [turn_key(t) for t in turns]
+    distinct = list(dict.fromkeys(keys))
+    unique = [turns[keys.index(k)] for k in distinct]
+    seqs = [t.prompt_ids + t.response_ids for t in unique]
+    masks = [[0] * len(t.prompt_ids) + t.action_mask for t in unique]
     width = max(len(s) for s in seqs)
-    pad = lambda rows, dtype: torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=dtype,
-                                           device=device)  # (B, T)
-    return pad(seqs, torch.long), pad([[1] * len(s) for s in seqs], torch.long), pad(masks, torch.float32)
+
+    def pad(rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:  # (U, T)
+        return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=dtype,
+                            device=device)
+
+    return {"input_ids": pad(seqs, torch.long),
+            "attention_mask": pad([[1] * len(s) for s in seqs], torch.long),
+            "action_mask": pad(masks, torch.float32)[:, 1:],  # logp[:, t] scores token t+1
+            "rows": torch.tensor([distinct.index(k) for k in keys], device=device)}
 
 
-def turn_key(sample: dict) -> tuple:
-    return tuple(sample["prompt_ids"]), tuple(sample["response_ids"]), tuple(sample["mask"])
+def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """(B, T-1) log-probs of each turn's action tokens under `model`, one row per turn of the batch
+    (0 elsewhere: the vocabulary projection runs on action tokens only)."""
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                          temperature=temperature, target_mask=batch["action_mask"])  # (U, T-1)
+    return logp[batch["rows"]]
 
 
-def microbatches(samples: list[dict], size: int) -> list[tuple[list[dict], float]]:
-    """(samples, weight) micro-batches of at most `size` distinct turns with every copy of each (turn_logprobs
-    runs a repeated turn once), shortest first to pad little, as many on every rank (dist.same_count). A rank
-    with no samples runs a placeholder of weight 0 whose one target token keeps the backward connected."""
-    filler = samples[:1] or [dict(prompt_ids=[0], response_ids=[0], mask=[1], advantage=0.0)]
+def microbatches(turns: list[Turn], size: int) -> list[tuple[list[Turn], float]]:
+    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each,
+    shortest first, as many on every rank (dist.same_count). A rank with no turns runs a
+    placeholder of weight 0 whose one target token keeps the backward connected."""
+    filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
     copies = defaultdict(list)
-    for s in samples:
-        copies[turn_key(s)].append(s)
+    for t in turns:
+        copies[turn_key(t)].append(t)
     distinct = sorted(copies, key=lambda k: len(k[0]) + len(k[1]))
-    return dist.same_count([[s for k in distinct[b:b + size] for s in copies[k]]
+    return dist.same_count([[t for k in distinct[b:b + size] for t in copies[k]]
                             for b in range(0, len(distinct), size)], filler)
 
 
-def turn_logprobs(model, batch: list[dict], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T-1) log-probs of each turn's response tokens under `model` (0 at prompt positions: the vocabulary
-    projection runs on response tokens only) and loss mask; a repeated turn runs once (gradient: the sum)."""
-    keys = [turn_key(s) for s in batch]
-    distinct = list(dict.fromkeys(keys))
-    copy = [distinct.index(k) for k in keys]  # row b of the batch is distinct turn copy[b]
-    device = next(model.parameters()).device
-    ids, attn, loss_mask = turn_batch([batch[keys.index(k)] for k in distinct], device)  # (U, T)
-    mask = loss_mask[:, 1:]  # (U, T-1): logp[:, t] scores token t+1
-    logp = token_logprobs(model, ids, attn, temperature=temperature, target_mask=mask)  # (U, T-1)
-    return logp[copy], mask[copy]  # (B, T-1)
-
-
-def sft_log_likelihood(policy, turns: list[dict]) -> tuple[torch.Tensor, float]:
-    """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked, as in RL); their count."""
-    logp, mask = turn_logprobs(policy, turns, 1.0)  # (B, T-1)
-    return (logp * mask).sum(), float(mask.sum())
+def sft_log_likelihood(policy, turns: list[Turn]) -> tuple[torch.Tensor, float]:
+    """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked); their count."""
+    batch = build_batch(turns, next(policy.parameters()).device)
+    action_mask = batch["action_mask"][batch["rows"]]  # (B, T-1)
+    logp = action_logprobs(policy, batch, 1.0)  # (B, T-1)
+    return (logp * action_mask).sum(), float(action_mask.sum())
 
 
 @torch.no_grad()
-def policy_logprobs(model, samples: list[dict], args: Args, key: str, adapter_off: bool = False) -> None:
-    """Log-probs of every turn's tokens under `model` (old policy, or reference for the KL), stored in
-    sample[key] as a (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
-    for batch, _ in microbatches(samples, args.micro_batch_size):
+def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
+                    adapter_off: bool = False) -> None:
+    """Log-probs of every turn's tokens under `model` (π_old, or the reference), in turn.<key> as a
+    (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
+    for batch, _ in microbatches(turns, args.micro_batch_size):
         with unwrap(model).disable_adapter() if adapter_off else nullcontext():
-            logp, _ = turn_logprobs(model, batch, args.temperature)
-        for s, row in zip(batch, logp, strict=True):
-            s[key] = row[:len(s["prompt_ids"]) + len(s["response_ids"]) - 1]
+            logp = action_logprobs(model, build_batch(batch, next(model.parameters()).device),
+                                   args.temperature)
+        for t, row in zip(batch, logp, strict=True):
+            setattr(t, key, row[:len(t.prompt_ids) + len(t.response_ids) - 1])
 
 
-def turn_samples(episodes: list[dict], advantages: list[list[float]]) -> list[dict]:
-    """One training sample per turn: (prompt ids -> response ids, mask of policy tokens) with its advantage;
-    a turn with no policy token (all forced) trains nothing."""
-    return [dict(turn, advantage=a) for ep, adv in zip(episodes, advantages, strict=True)
-            for turn, a in zip(ep["turns"], adv, strict=True) if sum(turn["mask"]) > 0]
+def turn_samples(episodes: list[Episode], advantages: list[list[float]]) -> list[Turn]:
+    """One training sample per turn with a policy token: a copy with its advantage."""
+    return [dataclasses.replace(turn, advantage=a)
+            for ep, adv in zip(episodes, advantages, strict=True)
+            for turn, a in zip(ep.turns, adv, strict=True) if sum(turn.action_mask) > 0]
 
 
-def stacked(batch: list[dict], key: str, width: int) -> torch.Tensor:
-    return torch.stack([torch.nn.functional.pad(s[key], (0, width - len(s[key]))) for s in batch])  # (B, T-1)
+def stacked(batch: list[Turn], key: str, width: int) -> torch.Tensor:
+    rows = [torch.nn.functional.pad(getattr(t, key), (0, width - len(getattr(t, key))))
+            for t in batch]
+    return torch.stack(rows)  # (B, T-1)
 
 
-def update(policy, optimizer, samples: list[dict], args: Args, rng: np.random.Generator,
+def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Generator,
            reference=None) -> dict:
-    """One epoch over the turn samples, one optimizer step per minibatch, PPO-clip with a token-mean. Under
-    torchrun `samples` are this rank's (whole groups): the minibatch count and each token-mean's divisor are
-    global, so one optimizer step is the same on 1 or 8 ranks (exactly so with one minibatch)."""
+    """One epoch over the turn samples, an optimizer step per minibatch, PPO-clip, token-mean.
+    Under torchrun `samples` are this rank's (whole groups): the minibatch count and each
+    token-mean's divisor are global, so a step is the same on 1 or 8 ranks."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
-    parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # n_minibatches on every rank
-    # π_old: the policy that sampled the turns. The first minibatch trains on π_old itself (no dropout): its
-    # own forward, detached, is the same number; the later ones' is computed now, before the first step.
+    parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # as many on every rank
+    # π_old: the policy that sampled the turns. The first minibatch trains on π_old itself (no
+    # dropout): its own forward, detached; the later ones' is computed now, before the first step.
     if n_minibatches > 1:
         policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
     if args.kl_coef > 0:
         policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
                         adapter_off=reference is None)
     policy.train()
+    device = next(policy.parameters()).device
     totals = defaultdict(float)
     for index, part in enumerate(parts):
         minibatch = [samples[i] for i in part]
-        n_tokens = max(1.0, dist.all_reduce(float(sum(sum(s["mask"]) for s in minibatch))))  # global count
+        n_tokens = float(sum(sum(s.action_mask) for s in minibatch))
+        n_tokens = max(1.0, dist.all_reduce(n_tokens))  # the global count
         optimizer.zero_grad()
-        for batch, weight in microbatches(minibatch, args.micro_batch_size):
-            logp, mask = turn_logprobs(policy, batch, args.temperature)
-            mask = mask * weight  # weight 0: a placeholder (no stored log-probs), zero loss and gradient
+        for turns, weight in microbatches(minibatch, args.micro_batch_size):
+            batch = build_batch(turns, device)
+            logp = action_logprobs(policy, batch, args.temperature)  # (B, T-1)
+            # weight 0: a placeholder (no stored log-probs), zero loss and gradient
+            action_mask = batch["action_mask"][batch["rows"]] * weight  # (B, T-1)
             width = logp.shape[1]
-            old = stacked(batch, "old_logp", width) if index > 0 and weight else logp.detach()
-            adv = torch.tensor([s["advantage"] for s in batch], device=logp.device)[:, None]  # (B, 1)
-            loss, n_clipped = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, args.dual_clip)
+            old = stacked(turns, "old_logp", width) if index > 0 and weight else logp.detach()
+            adv = torch.tensor([s.advantage for s in turns], device=logp.device)[:, None]  # (B, 1)
+            loss, n_clipped = ppo_clip_loss(logp, old, adv, action_mask, args.clip_eps,
+                                            args.dual_clip)
             if args.kl_coef > 0:  # token-mean of the per-token KL estimate
-                ref = stacked(batch, "ref_logp", width) if weight else logp.detach()
-                kl = (low_var_kl(logp, ref) * mask).sum()
+                ref = stacked(turns, "ref_logp", width) if weight else logp.detach()
+                kl = (low_var_kl(logp, ref) * action_mask).sum()
                 loss = loss + args.kl_coef * kl
                 totals["kl"] += kl.item()
             (loss / n_tokens * dist.grad_scale()).backward()
             totals["loss"] += loss.item()
             totals["clipped"] += n_clipped.item()
-        totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        totals["grad_norm"] += float(grad_norm)
         optimizer.step()
         totals["tokens"] += n_tokens
     policy.eval()
     tokens = totals["tokens"]
-    loss, clipped, kl = (dist.all_reduce(totals[k]) for k in ("loss", "clipped", "kl"))  # sums of shares
+    loss, clipped, kl = (dist.all_reduce(totals[k]) for k in ("loss", "clipped", "kl"))  # shares
     out = {"loss": loss / tokens, "clip_fraction": clipped / tokens,
            "grad_norm": totals["grad_norm"] / n_minibatches, "num_tokens": int(tokens)}
     return {**out, "kl": kl / tokens} if args.kl_coef > 0 else out
 
 
-def build_envs(args: Args) -> tuple:
-    """The environment, its tasks and the pools, before the model loads. Each rank plays whole groups: its
-    share of the step's task groups (advantages stay rank-local); rank 0 plays the held-out tasks."""
+# The run: environments, one training step, main.
+@dataclass
+class Envs:
+    env: object  # the environment itself: the scripted expert, --dry-run's prompts
+    train_tasks: list
+    eval_tasks: list
+    options: dict  # the environment's options, for more pools (RFT's sampling)
+    my_groups: list[int]  # this rank's task groups of a step (indices into the step's tasks)
+    pool: EnvPool  # this rank's training episodes: len(my_groups) × group_size
+    eval_pool: EnvPool | None  # rank 0: the held-out tasks
+    probe_pool: EnvPool | None  # rank 0, with --probe-tasks: the first training tasks
+
+
+def build_envs(args: Args) -> Envs:
+    """The environment, its tasks and the pools, before the model loads. Each rank plays whole
+    groups, its share of the step's (advantages stay rank-local); rank 0 the held-out tasks."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if args.epochs > 0:
         args.steps = max(1, args.epochs * len(train_tasks) // args.tasks_per_step)
-        run.say(f"--epochs {args.epochs}: {args.steps} steps of {args.tasks_per_step} / {len(train_tasks)} "
-                "tasks")
+        run.say(f"--epochs {args.epochs}: {args.steps} steps of {args.tasks_per_step} / "
+                f"{len(train_tasks)} tasks")
     my_groups = dist.shard(list(range(args.tasks_per_step)))
-    pool = EnvPool(args.env, len(my_groups) * args.group_size, **options)
-    eval_pool = EnvPool(args.env, len(eval_tasks), **options) if dist.is_main() else None
-    probe_pool = EnvPool(args.env, args.probe_tasks, **options) if args.probe_tasks and dist.is_main() \
-        else None
-    return env, options, train_tasks, eval_tasks, my_groups, pool, (eval_pool, probe_pool)
+    main_pool = lambda n: EnvPool(args.env, n, **options) if n and dist.is_main() else None
+    return Envs(env, train_tasks, eval_tasks, options, my_groups,
+                pool=EnvPool(args.env, len(my_groups) * args.group_size, **options),
+                eval_pool=main_pool(len(eval_tasks)), probe_pool=main_pool(args.probe_tasks))
 
 
 def turn_prompts(env, tasks: list, args: Args) -> list[str]:
-    """For --dry-run's longest: the expert's turn prompts on `tasks`, else first turns with a full history."""
+    """--dry-run: the expert's turn prompts on `tasks`, else first turns with a full history."""
     if hasattr(env, "expert_action"):
-        return [t["prompt"] for ep in expert_episodes(env, tasks, args) for t in ep["turns"]]
+        return [t.prompt for ep in expert_episodes(env, tasks, args) for t in ep.turns]
     return [build_turn_prompt(info.get("instruction", ""), [(obs, "")] * args.history_length, obs,
-                              info.get("admissible_actions") or [], args.history_length, args.max_obs_chars)
+                              info.get("admissible_actions") or [], args.history_length,
+                              args.max_obs_chars)
             for obs, info in map(env.reset, tasks)]
+
+
+def step_rng(seed: int, step: int) -> np.random.Generator:
+    """The randomness of training step `step` (the step-th update): from the seed and the step
+    alone, so that a resume continues exactly. The tasks are drawn with args.seed (the same on
+    every rank), the minibatch order with dist.rank_seed(args.seed)."""
+    return np.random.default_rng([seed, step - 1])  # keyed on the 0-based index, as before
+
+
+def train_step(r: run.Run, envs: Envs, args: Args, step: int) -> dict:
+    """1. rollout: G episodes per task, T²PO's TTI and TDS inside, whole groups per rank; 2. GiGPO
+    advantages, episode and step level; 3. PPO-clip update, one sample per turn. Its metrics."""
+    t0 = time.time()
+    picks = step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step,
+                                             replace=False)  # the same on every rank
+    ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
+    groups = [i // args.group_size for i in ids]  # ids: global, as the groups
+    tasks = [envs.train_tasks[picks[g]] for g in groups]
+    episodes, stats = rollout(r.generator, r.tokenizer, envs.pool, tasks, groups, args, step=step,
+                              train=True, temperature=args.temperature, keys=ids)
+    t_rollout = time.time() - t0
+    r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
+    advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight,
+                                  args.std_normalize, args.step_similarity)
+    samples = turn_samples(episodes, advantages)
+    with run.precision(args):  # bf16 matmuls where the hardware has them (--autocast)
+        result = update(r.policy, r.optimizer, samples, args,
+                        step_rng(dist.rank_seed(args.seed), step), r.reference)
+    r.generator.update_weights(r.model)  # each rank's own generator samples from the new policy
+    return {**rollout_metrics(episodes, stats, gather=True), **result,
+            "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
+            "time_update_s": time.time() - t0 - t_rollout}  # update: and the weight push
 
 
 @dist.entrypoint
@@ -791,57 +931,37 @@ def main(argv: list[str] | None = None) -> dict:
     args = run.parse(Args, argv, PRESETS, check_args, overridden_by={"epochs": "steps"})
     if args.dry_run:
         return run.dry_run(args, *run.planned_length(args, turn_prompts, args.max_new_tokens))
-    env, options, train_tasks, eval_tasks, my_groups, pool, (eval_pool, probe_pool) = build_envs(args)
+    envs = build_envs(args)
     r = run.setup(args, desc="t2po" if (args.tti or args.tds) else "gigpo")
-    held_out = lambda stage, step: run.on_main(
-        lambda: evaluate(r.generator, r.tokenizer, eval_pool, eval_tasks, args, step, stage))
+    held_out = lambda stage, step: run.on_main(lambda: evaluate(
+        r.generator, r.tokenizer, envs.eval_pool, envs.eval_tasks, args, step, stage))
     probe = lambda step: run.on_main(lambda: evaluate(  # fixed training tasks: a learning curve
-        r.generator, r.tokenizer, probe_pool, train_tasks[:args.probe_tasks], args, step,
-        f"probe step {step}", prefix="probe/")) if args.probe_tasks else {}
-    if not r.extra and args.base_eval:  # a resumed run has done (or skipped) these
+        r.generator, r.tokenizer, envs.probe_pool, envs.train_tasks[:args.probe_tasks], args, step,
+        f"probe_step_{step}", prefix="probe/")) if args.probe_tasks else {}
+    # skipped before the cold start (--no-base-eval): not done later, on a resumed trained policy
+    if "base" not in r.extra and "cold_start" not in r.extra and args.base_eval:
         r.extra["base"] = held_out("base", 0)
         r.logger.log({"step": 0, **r.extra["base"], **({} if args.cold_start else probe(0))})
-    if args.cold_start and "cold_start" not in r.extra:
-        log = cold_start(r, env, options, train_tasks, args)
+    if args.cold_start and "cold_start" not in r.extra:  # RFT
+        log = cold_start(r, envs.env, envs.options, envs.train_tasks, args)
         run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
         r.extra["cold_start"] = held_out("cold_start", 0)
-        r.logger.log({"step": 0, **log, **probe(0), **{k.replace("eval/", "eval_cold_start/"): v
-                                                       for k, v in r.extra["cold_start"].items()}})
+        held = {k.replace("eval/", "eval_cold_start/"): v for k, v in r.extra["cold_start"].items()}
+        r.logger.log({"step": 0, **log, **probe(0), **held})
         run.save(r, args, 0)
     t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
-    for step in range(r.start_step, args.steps):
-        t0 = time.time()
-        # 1. rollout: T²PO's TTI (and TDS) inside, G episodes per task, whole groups per rank
-        step_rng = np.random.default_rng([args.seed, step])  # keyed on the step: --resume reproduces it
-        picks = step_rng.choice(len(train_tasks), args.tasks_per_step, replace=False)  # same on all ranks
-        ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]  # global ids
-        groups = [i // args.group_size for i in ids]
-        episodes, stats = rollout(r.generator, r.tokenizer, pool, [train_tasks[picks[g]] for g in groups],
-                                  groups, args, step=step, train=True, temperature=args.temperature, keys=ids)
-        t_rollout = time.time() - t0
-        r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
-        # 2. GiGPO advantages, episode and step level; 3. PPO-clip update, one sample per turn
-        advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_normalize,
-                                      args.step_similarity)
-        update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])  # minibatch order
-        samples = turn_samples(episodes, advantages)
-        with run.precision(args):  # bf16 matmuls where the hardware has them (--autocast)
-            result = update(r.policy, r.optimizer, samples, args, update_rng, r.reference)
-        r.generator.update_weights(r.model)  # each rank's own generator samples from the new policy
-        line = {"step": step + 1, **summarise(episodes, stats, gather=True), **result,
-                "time_s": time.time() - t_rl, "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
-                "time_update_s": time.time() - t0 - t_rollout, **probe(step + 1)}  # update: and weight push
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            line.update(held_out(f"step {step + 1}", step + 1))
+    for step in range(r.start_step + 1, args.steps + 1):
+        line = {"step": step, **train_step(r, envs, args, step), "time_s": time.time() - t_rl,
+                **probe(step)}
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            line.update(held_out(f"step_{step}", step))
         r.logger.log(line)
-        if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            run.save(r, args, step + 1)
-    if "rl" not in r.extra or r.start_step < args.steps:
-        r.extra["rl"] = held_out("rl", args.steps)
-        r.logger.log({"step": args.steps, **r.extra["rl"]})
-        run.save(r, args, args.steps)
+        if step % args.save_every == 0 or step == args.steps:
+            run.save(r, args, step)
+    r.extra["rl"] = held_out("rl", args.steps)
+    r.logger.log({"step": args.steps, **r.extra["rl"]})
     r.logger.close()
-    run.report(args, r.extra, len(eval_tasks), also="eval/score", t_begin=t_begin)
+    run.report(args, r.extra, len(envs.eval_tasks), also="eval/score", t_begin=t_begin)
     dist.cleanup()
     return r.extra
 

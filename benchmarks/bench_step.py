@@ -43,7 +43,6 @@ class Args:
 def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> None:
     """Play step 1 of the run with the code in `code`; write the result (times, work, Δθ) to `out`."""
     sys.path.insert(0, code)
-    import numpy as np
     import torch
 
     import t2po
@@ -58,7 +57,8 @@ def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> N
     argv = ["--out", work, "--resume", "--threads", str(threads), "--steps", "1",
             "--seed", str(saved["seed"]), *flags.split()]
     args = run.parse(t2po.Args, argv, t2po.PRESETS, t2po.check_args, overridden_by={"epochs": "steps"})
-    env, options, train_tasks, eval_tasks, my_groups, pool, eval_pool = t2po.build_envs(args)
+    envs = t2po.build_envs(args)
+    train_tasks, my_groups, pool = envs.train_tasks, envs.my_groups, envs.pool
     r = run.setup(args, desc="bench")
     times = {"prefill_s": 0.0, "decode_s": 0.0}
     model = r.generator.model
@@ -72,11 +72,10 @@ def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> N
             times["prefill_s" if kw["input_ids"].shape[1] > 1 else "decode_s"] += time.perf_counter() - t
 
     before = torch.cat([p.detach().flatten().clone() for p in r.policy.parameters()])
-    step = 0
+    step = 1  # the first RL step after the cold start's checkpoint
     t0 = time.perf_counter()
     model.forward = timed_forward
-    step_rng = np.random.default_rng([args.seed, step])
-    picks = step_rng.choice(len(train_tasks), args.tasks_per_step, replace=False)
+    picks = t2po.step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step, replace=False)
     ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]
     groups = [i // args.group_size for i in ids]
     episodes, stats = t2po.rollout(r.generator, r.tokenizer, pool, [train_tasks[picks[g]] for g in groups],
@@ -88,20 +87,20 @@ def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> N
     advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_normalize,
                                        args.step_similarity)
     samples = t2po.turn_samples(episodes, advantages)
-    result = t2po.update(r.policy, r.optimizer, samples, args, np.random.default_rng([args.seed, step]),
+    result = t2po.update(r.policy, r.optimizer, samples, args, t2po.step_rng(args.seed, step),
                          r.reference)
     r.generator.update_weights(r.model)
     times["update_s"] = time.perf_counter() - t1
     times["step_s"] = time.perf_counter() - t0
     delta = torch.cat([p.detach().flatten() for p in r.policy.parameters()]) - before
-    responses = hashlib.sha256(json.dumps([[t["response_ids"] for t in ep["turns"]] for ep in episodes])
+    responses = hashlib.sha256(json.dumps([[t.response_ids for t in ep.turns] for ep in episodes])
                                .encode()).hexdigest()
     torch.save(delta, out + ".delta.pt")
-    distinct = len({(tuple(s["prompt_ids"]), tuple(s["response_ids"])) for s in samples})
+    distinct = len({(tuple(s.prompt_ids), tuple(s.response_ids)) for s in samples})
     json.dump({**times, "responses_sha256": responses, "episodes": len(episodes), "samples": len(samples),
                "distinct_samples": distinct, "delta_norm": float(delta.norm()),
                "generated_tokens": int(stats["tokens"]), "loss": result["loss"],
-               "update_tokens": sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)},
+               "update_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)},
               open(out, "w"))
     shutil.rmtree(work)
 

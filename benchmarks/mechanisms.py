@@ -62,12 +62,12 @@ import torch  # noqa: E402
 # T²PO
 
 
-def closest_to_firing(out: dict, args) -> float | None:
+def closest_to_firing(out, args) -> float | None:
     """The smallest window mean of |ΔM| the ε rule saw in a response's thinking (tti_fire_index's test at
     every token t it checks, t+1 ≥ L_min and t ≥ N+1, on the causal M); None: thinking too short to check."""
     import t2po
 
-    m = t2po.uncertainty(out["entropies"][:out["think_tokens"]], out["confidences"][:out["think_tokens"]],
+    m = t2po.uncertainty(out.entropies[:out.think_tokens], out.confidences[:out.think_tokens],
                          args.alpha, causal=True)
     w = args.tti_window
     means = [sum(abs(m[s] - m[s - 1]) for s in range(t - w, t + 1)) / (w + 1)
@@ -87,30 +87,30 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
     def generate_turn(generator, tokenizer, prompts, seeds, args, *, tti, **kw):
         outs = real_generate(generator, tokenizer, prompts, seeds, args, tti=tti, **kw)
         if tti:
-            cut = [j for j, o in enumerate(outs) if o["intervened"]]
+            cut = [j for j, o in enumerate(outs) if o.intervened]
             off = real_generate(generator, tokenizer, [prompts[j] for j in cut], [seeds[j] for j in cut],
                                 args, tti=False, **kw) if cut else []
             without = dict(zip(cut, off, strict=True))
             max_think = args.tti_max_think or args.max_new_tokens - min(32, args.max_new_tokens // 2)
             kept_stats["epsilon"] = args.tti_epsilon
 
-            def text(out: dict) -> str:
-                return tokenizer.decode(out["ids"], skip_special_tokens=True)
+            def text(out) -> str:
+                return tokenizer.decode(out.ids, skip_special_tokens=True)
 
-            def action(out: dict) -> str:
+            def action(out) -> str:
                 return t2po_tds.response_action(tokenizer, out)
 
             for j, o in enumerate(outs):
                 if j in without and "tti_example_cut" not in kept_stats:  # one cut, shown in the docs
                     kept_stats["tti_example_cut"] = dict(with_tti=text(o), without_tti=text(without[j]))
-                responses.append(dict(think=o["think_tokens"], intervened=o["intervened"],
+                responses.append(dict(think=o.think_tokens, intervened=o.intervened,
                                       same_action=j not in without or action(o) == action(without[j]),
                                       closest=closest_to_firing(o, args),
-                                      by_cap=o["intervened"] and o["think_tokens"] >= max_think,
-                                      think_without=without[j]["think_tokens"] if j in without
-                                      else o["think_tokens"],
-                                      same_prefix=j not in without or without[j]["ids"][:o["think_tokens"]]
-                                      == o["ids"][:o["think_tokens"]]))
+                                      by_cap=o.intervened and o.think_tokens >= max_think,
+                                      think_without=without[j].think_tokens if j in without
+                                      else o.think_tokens,
+                                      same_prefix=j not in without or without[j].ids[:o.think_tokens]
+                                      == o.ids[:o.think_tokens]))
         return outs
 
     def rollout(*a, **kw):

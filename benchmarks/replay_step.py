@@ -18,7 +18,6 @@ import shutil
 import sys
 import tempfile
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -65,11 +64,12 @@ def main(argv: list[str] | None = None) -> dict[float, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ckpt, os.path.join(tmp, "checkpoints", f"step_{a.step}"))
         args = replay_args(a.run_dir, tmp, a.threads)
-        _, _, train_tasks, _, my_groups, pool, _ = t2po.build_envs(args)
+        envs = t2po.build_envs(args)
+        train_tasks, my_groups, pool = envs.train_tasks, envs.my_groups, envs.pool
         r = run.setup(args, desc="replay")
-        step = a.step  # as t2po.main draws it
-        picks = np.random.default_rng([args.seed, step]).choice(len(train_tasks), args.tasks_per_step,
-                                                                 replace=False)
+        step = a.step + 1  # the update after the checkpoint, drawn as t2po.main draws it
+        picks = t2po.step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step,
+                                                      replace=False)
         ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]
         groups = [i // args.group_size for i in ids]
         tasks = [train_tasks[picks[g]] for g in groups]
@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> dict[float, dict]:
                                    temperature=args.temperature, keys=ids)
         advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight,
                                            args.std_normalize, args.step_similarity)
-        print(f"step {step + 1}: each episode's turns, the action as written and its advantage")
+        print(f"step {step}: each episode's turns, the action as written and its advantage")
         for ep, adv in zip(episodes, advantages, strict=True):
-            turns = [(r.tokenizer.decode(t["response_ids"]).rsplit("</think>", 1)[-1].strip(), round(x, 2))
-                     for t, x in zip(ep["turns"], adv, strict=True)]
-            print(f"  won={ep['won']!s:5} {turns}")
+            turns = [(r.tokenizer.decode(t.response_ids).rsplit("</think>", 1)[-1].strip(), round(x, 2))
+                     for t, x in zip(ep.turns, adv, strict=True)]
+            print(f"  won={ep.won!s:5} {turns}")
         samples = t2po.turn_samples(episodes, advantages)
-        prompts = [s["prompt_ids"] for s in samples[::max(1, len(samples) // a.prompts)]][:a.prompts]
+        prompts = [s.prompt_ids for s in samples[::max(1, len(samples) // a.prompts)]][:a.prompts]
         results = {}
         weights, opt_state = copy.deepcopy(r.model.state_dict()), copy.deepcopy(r.optimizer.state_dict())
         for lr in lrs:
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> dict[float, dict]:
             r.optimizer.load_state_dict(opt_state)
             for group in r.optimizer.param_groups:
                 group["lr"] = lr
-            update_rng = np.random.default_rng([dist.rank_seed(args.seed), step])
+            update_rng = t2po.step_rng(dist.rank_seed(args.seed), step)
             with run.precision(args):
-                result = t2po.update(r.policy, r.optimizer, [dict(s) for s in samples], args, update_rng,
-                                     r.reference)
+                copies = [dataclasses.replace(s) for s in samples]
+                result = t2po.update(r.policy, r.optimizer, copies, args, update_rng, r.reference)
             results[lr] = result
             answers = greedy_answers(r, prompts, args.max_new_tokens)
             print(f"lr {lr:g}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))

@@ -86,8 +86,8 @@ def test_t2po_update_and_rft_feed_the_model_on_its_device(tiny, default_device_e
     checked, calls = default_device_elsewhere
     checked(t2po)
     model = copy.deepcopy(tiny[0])
-    samples = [dict(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23], mask=[1, 1, 1], advantage=1.0),
-               dict(prompt_ids=[11, 12], response_ids=[31, 32], mask=[1, 0], advantage=-1.0)]
+    samples = [t2po.Turn([11, 12, 13], [21, 22, 23], action_mask=[1, 1, 1], advantage=1.0),
+               t2po.Turn([11, 12], [31, 32], action_mask=[1, 0], advantage=-1.0)]
     # minibatch_size 1: two minibatches, pi_old recomputed for the second (the first trains on its own
     # forward); kl_coef > 0: the reference's forward on both
     args = t2po.Args(lr=0.0, minibatch_size=1, micro_batch_size=1, kl_coef=0.1)

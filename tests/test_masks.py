@@ -309,19 +309,21 @@ def test_t2po_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     # two thinking words (TTI's cap is 2: it forces `</think>\n<action>` in every turn), then free sampling
     draws = Draws(monkeypatch, lambda call, step, rows: words(rows) if step < 2 else None)
     rows, last = [], {}
-    real_batch, real_loss = t2po.turn_batch, t2po.ppo_clip_loss
+    real_batch, real_loss = t2po.build_batch, t2po.ppo_clip_loss
 
-    def turn_batch(*a, **k):
+    def build_batch(*a, **k):
         last["batch"] = real_batch(*a, **k)
         return last["batch"]
 
     def ppo_clip_loss(logp, old_logp, adv, mask, *a):
-        ids, attention, _ = last["batch"]
+        batch = last["batch"]
+        rows_of = batch["rows"]  # the distinct turn of each row
+        ids, attention = batch["input_ids"][rows_of], batch["attention_mask"][rows_of]
         for i, a_, m, old in zip(ids, attention, mask, old_logp, strict=True):
             rows.append((i[:int(a_.sum())].tolist(), m, old))
         return real_loss(logp, old_logp, adv, mask, *a)
 
-    monkeypatch.setattr(t2po, "turn_batch", turn_batch)
+    monkeypatch.setattr(t2po, "build_batch", build_batch)
     monkeypatch.setattr(t2po, "ppo_clip_loss", ppo_clip_loss)
     # --minibatch-size 2 of 4 turns: the second mini-batch divides by the old log-probs after a step
     t2po.main(["--env", "toy", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "2",

@@ -138,7 +138,8 @@ def test_discounted_returns():
 
 
 def _episode(group, turns):
-    return dict(group=group, turns=[dict(anchor=a, reward=r, penalty=p) for a, r, p in turns])
+    return t2po.Episode(task=None, group=group, turns=[
+        t2po.Turn([], [], [], anchor=a, reward=r, penalty=p) for a, r, p in turns])
 
 
 def test_gigpo_advantages_hand_computed():
@@ -184,16 +185,16 @@ def test_similar_anchor_observations_group_below_threshold():
     assert t2po.gigpo_advantages([a, b], 0.95, 1.0, False, similarity=0.95) == [[5.0], [-5.0]]
 
 
-def turn(penalty: float, anchor: str, reward: float = 0.0) -> dict:
-    return dict(reward=reward, penalty=penalty, anchor=anchor)
+def turn(penalty: float, anchor: str, reward: float = 0.0) -> t2po.Turn:
+    return t2po.Turn([], [], [], reward=reward, penalty=penalty, anchor=anchor)
 
 
 def test_gigpo_std_normalize_divides_by_the_std_of_the_turn_scores():
     """mean_std_norm (the alfworld and search presets). Two trajectories of one group, reward 0, a 0.1
     penalty on a different turn of each; only the first observation is shared. Before this fix the episode
     std was that of the trajectories' mean scores (both -1/30: std 0) and ±0.1 was divided by 1e-6."""
-    eps = [dict(group=0, turns=[turn(0.1, "s0"), turn(0.0, "s1"), turn(0.0, "s2")]),
-           dict(group=0, turns=[turn(0.0, "s0"), turn(0.1, "s1x"), turn(0.0, "s2x")])]
+    eps = [t2po.Episode(task=None, group=0, turns=[turn(0.1, "s0"), turn(0.0, "s1"), turn(0.0, "s2")]),
+           t2po.Episode(task=None, group=0, turns=[turn(0.0, "s0"), turn(0.1, "s1x"), turn(0.0, "s2x")])]
     # episode level: turn scores -0.1, 0, 0, 0, -0.1, 0; baseline -1/30; unbiased std over the six:
     # deviations -1/15 (x2), +1/30 (x4): sum of squares 1/75, / 5 -> std = 1/sqrt(375) = 0.0516398
     # -> A_E = -(1/15)·sqrt(375) = -1.290994 for a penalised turn, +(1/30)·sqrt(375) = 0.645497 otherwise
@@ -206,13 +207,34 @@ def test_gigpo_std_normalize_divides_by_the_std_of_the_turn_scores():
 
 def test_gigpo_std_normalize_all_equal_and_single_trajectory_groups():
     # every turn score equal (both won, no penalty): std 0, every deviation 0 -> advantages 0, not NaN
-    won = [dict(group=0, turns=[turn(0.0, "a"), turn(0.0, "b", reward=10.0)]) for _ in range(2)]
+    won = [t2po.Episode(task=None, group=0, turns=[turn(0.0, "a"), turn(0.0, "b", reward=10.0)])
+           for _ in range(2)]
     assert t2po.gigpo_advantages(won, gamma=0.95, omega=1.0, std_normalize=True) == [[0.0, 0.0]] * 2
-    # a group of one trajectory: baseline 0 and std 1 at the episode level (not the std of its two turn
-    # scores, 9.9 and 10, which is 0.0707 and would multiply them by 14); alone at every anchor: A_S = 0
-    alone = [dict(group=0, turns=[turn(0.1, "a"), turn(0.0, "b", reward=10.0)])]
+    # a group of one trajectory of two turns (verl-agent: a group of its two rows, not a group of one):
+    # turn scores 9.9 and 10, mean 9.95, unbiased std sqrt(2 · .05² / 1) = .0707107 -> ∓.05 / .0707117;
+    # alone at every anchor: A_S = 0
+    alone = [t2po.Episode(task=None, group=0, turns=[turn(0.1, "a"), turn(0.0, "b", reward=10.0)])]
     adv = t2po.gigpo_advantages(alone, gamma=0.95, omega=1.0, std_normalize=True)
-    assert adv == [pytest.approx([9.9 / (1 + 1e-6), 10 / (1 + 1e-6)])]
+    assert adv == [pytest.approx([-0.05 / (0.0707107 + 1e-6), 0.05 / (0.0707107 + 1e-6)], abs=1e-5)]
+    # a group of one turn: mean 0, std 1 (verl-agent's list of one)
+    one = [t2po.Episode(task=None, group=0, turns=[turn(0.0, "a", reward=10.0)])]
+    assert t2po.gigpo_advantages(one, 0.95, 1.0, True) == [pytest.approx([10 / (1 + 1e-6)])]
+
+
+def test_gigpo_std_normalize_is_verl_agents_mean_std_norm_over_turns():
+    """verl-agent's episode_norm_reward (compute_mean_std_cross_steps=True) averages the group's turn
+    scores, not its trajectories': a long trajectory weighs more. A wins in 1 turn (R 10), B loses in 3."""
+    a = _episode(0, [("s0", 10, 0)])
+    b = _episode(0, [("s0", 0, 0), ("s1", 0, 0), ("s2", 0, 0)])
+    # episode level, turn scores 10, 0, 0, 0: mean 2.5; deviations 7.5, -2.5 (x3): sum of squares
+    # 56.25 + 18.75 = 75, / 3 -> std 5 -> A_E = 1.5 (A), -0.5 (B's three turns). (The paper's mean over
+    # trajectories would be 5: A_E = +-1.) Step level: anchor s0 holds G = 10 and 0: mean 5, std
+    # sqrt(50) = 7.071068 -> +-0.707107; s1, s2 alone -> 0.
+    adv = t2po.gigpo_advantages([a, b], gamma=0.95, omega=1.0, std_normalize=True)
+    assert adv[0] == pytest.approx([7.5 / (5 + 1e-6) + 5 / (7.071068 + 1e-6)], abs=1e-5)
+    assert adv[1] == pytest.approx([-2.5 / (5 + 1e-6) - 5 / (7.071068 + 1e-6), -0.5, -0.5], abs=1e-5)
+    # without --std-normalize the paper's baseline: the mean of the trajectories' scores, 5
+    assert t2po.gigpo_advantages([a, b], 0.95, 0.0, False) == [[5.0], [-5.0, -5.0, -5.0]]
 
 
 def test_group_normalise_std():
@@ -247,68 +269,76 @@ def test_update_moves_the_policy_toward_positive_advantages(tiny_policy):
     import numpy as np
 
     model, _ = tiny_policy
-    good = dict(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23], mask=[1, 1, 1], advantage=1.0)
-    bad = dict(prompt_ids=[11, 12, 13], response_ids=[31, 32, 33], mask=[1, 1, 1], advantage=-1.0)
+    good = t2po.Turn([11, 12, 13], [21, 22, 23], [1, 1, 1], advantage=1.0)
+    bad = t2po.Turn([11, 12, 13], [31, 32, 33], [1, 1, 1], advantage=-1.0)
 
     def logp(sample):
         with torch.no_grad():
-            lp, mask = t2po.turn_logprobs(model, [sample], 1.0)
+            lp, mask = turn_logprobs(model, [sample])
         return (lp * mask).sum().item()
 
     before = (logp(good), logp(bad))
     args = t2po.Args(lr=1e-2, minibatch_size=8, micro_batch_size=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    stats = t2po.update(model, optimizer, [dict(good), dict(bad)], args, np.random.default_rng(0))
+    samples = [dataclasses.replace(good), dataclasses.replace(bad)]
+    stats = t2po.update(model, optimizer, samples, args, np.random.default_rng(0))
     assert stats["num_tokens"] == 6 and stats["clip_fraction"] == 0.0  # ratio 1 at the single step
     assert stats["loss"] == pytest.approx(0.0, abs=1e-6)  # -(3·1 + 3·(−1)) / 6
     assert logp(good) > before[0] and logp(bad) < before[1]
 
 
-def logp_by_hand(model, sample: dict) -> torch.Tensor:
+def turn_logprobs(model, turns: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T-1) log-probs of the turns' action tokens and their action mask."""
+    batch = t2po.build_batch(turns)
+    return t2po.action_logprobs(model, batch, 1.0), batch["action_mask"][batch["rows"]]
+
+
+def logp_by_hand(model, sample: t2po.Turn) -> torch.Tensor:
     """log π of each response token from one unpadded forward of the bare model: (len(response),)."""
-    ids = torch.tensor([sample["prompt_ids"] + sample["response_ids"]])  # (1, T)
-    logits = model(input_ids=ids).logits[0, len(sample["prompt_ids"]) - 1:-1]  # (N, V): the response
-    targets = torch.tensor(sample["response_ids"])[:, None]  # (N, 1)
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])  # (1, T)
+    logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1]  # (N, V): the response
+    targets = torch.tensor(sample.response_ids)[:, None]  # (N, 1)
     return torch.log_softmax(logits.float(), -1).gather(-1, targets)[:, 0]
 
 
 def test_a_repeated_turn_runs_through_the_model_once_and_its_gradient_is_the_sum(tiny_policy):
-    """A group's rollouts often play the same turn: turn_logprobs runs each distinct turn once and hands every
-    copy the same log-probs; the gradient of a loss over the copies equals the sum of one forward per copy."""
+    """A group's rollouts often play the same turn: action_logprobs runs each distinct turn once and hands
+    every copy the same log-probs; the gradient of a loss over the copies equals the sum of one forward per
+    copy."""
     model, _ = tiny_policy
-    a = dict(prompt_ids=[11, 12, 13], response_ids=[21, 22], mask=[1, 1], advantage=1.0)
-    b = dict(prompt_ids=[11, 14], response_ids=[31, 32, 33], mask=[1, 0, 1], advantage=0.5)
-    batch = [a, dict(a, advantage=-2.0), b, dict(a, advantage=0.25)]
+    a = t2po.Turn([11, 12, 13], [21, 22], [1, 1], advantage=1.0)
+    b = t2po.Turn([11, 14], [31, 32, 33], [1, 0, 1], advantage=0.5)
+    batch = [a, dataclasses.replace(a, advantage=-2.0), b, dataclasses.replace(a, advantage=0.25)]
     rows = []
     hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape[0]),
                                            with_kwargs=True)
-    logp, mask = t2po.turn_logprobs(model, batch, 1.0)  # (4, T-1)
+    logp, mask = turn_logprobs(model, batch)  # (4, T-1)
     hook.remove()
     assert rows == [2]  # a and b, once each
-    weights = torch.tensor([s["advantage"] for s in batch])[:, None]  # (4, 1)
+    weights = torch.tensor([s.advantage for s in batch])[:, None]  # (4, 1)
     (logp * mask * weights).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    expected = sum(s["advantage"] * (logp_by_hand(model, s) * torch.tensor(s["mask"])).sum() for s in batch)
+    expected = sum(s.advantage * (logp_by_hand(model, s) * torch.tensor(s.action_mask)).sum() for s in batch)
     expected.backward()
     for row, s in zip(logp.detach(), batch, strict=True):  # prompt positions 0, then the response's log π
-        n = len(s["prompt_ids"])
-        torch.testing.assert_close(row[n - 1:n - 1 + len(s["response_ids"])] * torch.tensor(s["mask"]),
-                                   logp_by_hand(model, s).detach() * torch.tensor(s["mask"]), atol=1e-5,
+        n = len(s.prompt_ids)
+        torch.testing.assert_close(row[n - 1:n - 1 + len(s.response_ids)] * torch.tensor(s.action_mask),
+                                   logp_by_hand(model, s).detach() * torch.tensor(s.action_mask), atol=1e-5,
                                    rtol=0)
     for got, p in zip(grads, model.parameters(), strict=True):
         torch.testing.assert_close(got, p.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_microbatches_hold_at_most_size_distinct_turns_with_every_copy():
-    turn = lambda n, tag: dict(prompt_ids=[tag] * n, response_ids=[7], mask=[1])
+    turn = lambda n, tag: t2po.Turn([tag] * n, [7], [1])
     samples = [turn(5, 1), turn(3, 2), turn(5, 1), turn(9, 3), turn(3, 2), turn(4, 4), turn(5, 1)]
     for i, s in enumerate(samples):
-        s["id"] = i  # copies compare equal as turns, not as samples
+        s.action = str(i)  # copies compare equal as turns, not as samples
     batches = t2po.microbatches(samples, 2)
     assert [w for _, w in batches] == [1.0, 1.0]
-    assert [[s["id"] for s in b] for b, _ in batches] == [[1, 4, 5], [0, 2, 6, 3]]  # shortest first
-    assert sorted(s["id"] for b, _ in batches for s in b) == list(range(7))
+    assert [[int(s.action) for s in b] for b, _ in batches] == [[1, 4, 5], [0, 2, 6, 3]]  # shortest first
+    assert sorted(int(s.action) for b, _ in batches for s in b) == list(range(7))
 
 
 def test_later_minibatches_take_pi_old_from_before_the_first_step(tiny_policy):
@@ -317,8 +347,8 @@ def test_later_minibatches_take_pi_old_from_before_the_first_step(tiny_policy):
     import numpy as np
 
     model, _ = tiny_policy
-    samples = [dict(prompt_ids=[11, 12], response_ids=[21, 22], mask=[1, 1], advantage=1.0),
-               dict(prompt_ids=[13, 14, 15], response_ids=[31], mask=[1], advantage=-1.0)]
+    samples = [t2po.Turn([11, 12], [21, 22], [1, 1], advantage=1.0),
+               t2po.Turn([13, 14, 15], [31], [1], advantage=-1.0)]
     with torch.no_grad():
         before = [logp_by_hand(model, s) for s in samples]
     args = t2po.Args(lr=0.5, minibatch_size=1, micro_batch_size=1, temperature=1.0)
@@ -326,9 +356,9 @@ def test_later_minibatches_take_pi_old_from_before_the_first_step(tiny_policy):
     t2po.update(model, optimizer, samples, args, np.random.default_rng(0))
     order = np.random.default_rng(0).permutation(2)  # update's minibatch order
     first, second = samples[order[0]], samples[order[1]]
-    assert "old_logp" not in first
-    n = len(second["prompt_ids"])
-    torch.testing.assert_close(second["old_logp"][n - 1:], before[order[1]], atol=1e-5, rtol=0)
+    assert first.old_logp is None
+    n = len(second.prompt_ids)
+    torch.testing.assert_close(second.old_logp[n - 1:], before[order[1]], atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -364,10 +394,11 @@ def test_torchrun_update_equals_single_process(tmp_path):
 # ---- RFT ----------------------------------------------------------------------------------------------
 
 def test_rft_keeps_only_successful_well_formed_trajectories():
-    good = dict(won=True, turns=[dict(valid=True, id=1), dict(valid=True, id=2)])
-    ill_formed = dict(won=True, turns=[dict(valid=True, id=3), dict(valid=False, id=4)])
-    failed = dict(won=False, turns=[dict(valid=True, id=5)])
-    assert [t["id"] for t in t2po.rft_keep([good, ill_formed, failed])] == [1, 2]
+    turn = lambda valid, i: t2po.Turn([], [], [], valid=valid, action=str(i))
+    good = t2po.Episode(task=0, group=0, won=True, turns=[turn(True, 1), turn(True, 2)])
+    ill_formed = t2po.Episode(task=1, group=0, won=True, turns=[turn(True, 3), turn(False, 4)])
+    failed = t2po.Episode(task=2, group=0, won=False, turns=[turn(True, 5)])
+    assert [t.action for t in t2po.rft_keep([good, ill_formed, failed])] == ["1", "2"]
 
 
 # ---- presets ------------------------------------------------------------------------------------------
@@ -447,12 +478,12 @@ def test_expert_thoughts_flag_reaches_the_rft_turns():
     args = dataclasses.replace(t2po.Args(), max_turns=4)
     short = t2po.expert_episodes(env, [0], args)[0]
     long = t2po.expert_episodes(env, [0], dataclasses.replace(args, expert_thoughts="long"))[0]
-    assert short["won"] and long["won"] and len(long["turns"]) == 3
-    assert [t["prompt"] for t in long["turns"]] == [t["prompt"] for t in short["turns"]]
-    assert short["turns"][0]["text"].startswith("<think>The task says which way to go.</think>")
-    for k, turn in enumerate(long["turns"]):
-        thought = turn["text"][len("<think>"):turn["text"].index("</think>")]
-        action = turn["text"][turn["text"].index("<action>") + 8:-len("</action>")]
+    assert short.won and long.won and len(long.turns) == 3
+    assert [t.prompt for t in long.turns] == [t.prompt for t in short.turns]
+    assert short.turns[0].text.startswith("<think>The task says which way to go.</think>")
+    for k, turn in enumerate(long.turns):
+        thought = turn.text[len("<think>"):turn.text.index("</think>")]
+        action = turn.text[turn.text.index("<action>") + 8:-len("</action>")]
         assert thought.startswith(f"I {action}. Step {k + 1} of the task says: ")
         assert thought.endswith(f"I have done {k} of its 3 steps.")
 
@@ -516,16 +547,16 @@ def test_chunked_tti_equals_online_rule_token_for_token(tiny):
     seeds = [11, 12, 13]
     outs = t2po.generate_turn(generator, tokenizer, prompts, seeds, args, temperature=1.0, tti=True)
     for prompt, seed, out in zip(prompts, seeds, outs, strict=True):
-        assert out["ids"] == online_tti(generator, tokenizer, prompt, seed, args)
+        assert out.ids == online_tti(generator, tokenizer, prompt, seed, args)
     # the cases covered: the cap (28 thinking tokens) and the window rule firing earlier, mid-chunk
-    assert all(o["intervened"] for o in outs)
-    assert {o["think_tokens"] for o in outs} & {28} and min(o["think_tokens"] for o in outs) < 28
-    assert any(o["think_tokens"] % args.tti_chunk for o in outs)
+    assert all(o.intervened for o in outs)
+    assert {o.think_tokens for o in outs} & {28} and min(o.think_tokens for o in outs) < 28
+    assert any(o.think_tokens % args.tti_chunk for o in outs)
     forced = tokenizer(t2po.FORCED_TEXT, add_special_tokens=False)["input_ids"]
     for o in outs:  # forced tokens are marked as not sampled (kept out of the PPO loss)
-        k = o["think_tokens"]
-        assert o["ids"][k:k + len(forced)] == forced and o["sampled"][k:k + len(forced)] == [0] * len(forced)
-        assert len(o["entropies"]) == sum(o["sampled"])
+        k = o.think_tokens
+        assert o.ids[k:k + len(forced)] == forced and o.action_mask[k:k + len(forced)] == [0] * len(forced)
+        assert len(o.entropies) == sum(o.action_mask)
 
 
 # ---- end to end -------------------------------------------------------------------------------------
@@ -916,17 +947,17 @@ def test_tti_stops_at_action_close_even_without_think_close():
     for tti in (False, True):
         [outs[tti]] = t2po.generate_turn(ScriptedGenerator(script), CharTokenizer(), [[1]], [0], args,
                                          temperature=1.0, tti=tti)
-    assert CharTokenizer().decode(outs[True]["ids"]) == script[:end]  # was: on to the 100-token budget
-    assert outs[True]["ids"] == outs[False]["ids"]
-    assert outs[True]["think_tokens"] == outs[False]["think_tokens"]
-    assert outs[True]["think_tokens"] == end and not outs[True]["intervened"]
+    assert CharTokenizer().decode(outs[True].ids) == script[:end]  # was: on to the 100-token budget
+    assert outs[True].ids == outs[False].ids
+    assert outs[True].think_tokens == outs[False].think_tokens
+    assert outs[True].think_tokens == end and not outs[True].intervened
 
 
 # ---- TDS: Φ measures the turn's uncertainty, not its length (issue 14.2) -------------------------------
 
 def _turn(tokens):
     """tokens: (H, C) per policy token."""
-    return dict(entropies=[h for h, _ in tokens], confidences=[c for _, c in tokens])
+    return t2po.Response(entropies=[h for h, _ in tokens], confidences=[c for _, c in tokens])
 
 
 def test_tds_phi_does_not_depend_on_turn_length():
@@ -974,9 +1005,9 @@ def test_rft_sft_loss_leaves_out_forced_tokens(tiny_policy):
     """RFT's SFT loss (run.sft with t2po's log-likelihood), measured before the step: the mean NLL over
     mask-1 tokens only."""
     model, _ = tiny_policy
-    sample = dict(prompt_ids=[11, 12], response_ids=[21, 22, 23, 24], mask=[1, 0, 0, 1])  # 22, 23 forced
+    sample = t2po.Turn([11, 12], [21, 22, 23, 24], [1, 0, 0, 1])  # 22, 23 forced
     with torch.no_grad():
-        logp, mask = t2po.turn_logprobs(model, [sample], 1.0)
+        logp, mask = turn_logprobs(model, [sample])
     per_token = logp[0, 1:5]  # log p of 21, 22, 23, 24
     expected = -(per_token[0] + per_token[3]).item() / 2
     loss = run.sft(model, 1, lambda rows: t2po.sft_log_likelihood(model, [sample]), lr=1e-9, weight_decay=0.0,
@@ -1012,13 +1043,13 @@ def test_update_reports_the_kl_to_its_reference(tiny_policy):
     reference = copy.deepcopy(model)
     with torch.no_grad():
         reference.lm_head.weight.mul_(3.0)  # a sharper reference: the KL is far from 0
-    samples = [dict(prompt_ids=[11, 12, 13], response_ids=[21, 22, 23], mask=[1, 1, 1], advantage=1.0),
-               dict(prompt_ids=[11, 12], response_ids=[31, 32], mask=[1, 0], advantage=-1.0)]
+    samples = [t2po.Turn([11, 12, 13], [21, 22, 23], [1, 1, 1], advantage=1.0),
+               t2po.Turn([11, 12], [31, 32], [1, 0], advantage=-1.0)]
     with torch.no_grad():
         x = []
         for s in samples:
-            lp, mask = t2po.turn_logprobs(model, [s], 1.0)
-            ref, _ = t2po.turn_logprobs(reference, [s], 1.0)
+            lp, mask = turn_logprobs(model, [s])
+            ref, _ = turn_logprobs(reference, [s])
             x += [(r - p).item() for p, r, m in zip(lp[0], ref[0], mask[0], strict=True) if m > 0]
     expected = sum(min(math.exp(v) - v - 1, 10.0) for v in x) / len(x)  # 4 policy tokens
     args = t2po.Args(lr=1e-2, minibatch_size=8, micro_batch_size=1, kl_coef=0.5, temperature=1.0)

@@ -29,13 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import t2po  # noqa: E402
 
 
-def old_phi(out: dict, alpha: float) -> float:
+def old_phi(out: t2po.Response, alpha: float) -> float:
     """The earlier Φ: min–max over the turn alone, M floored at 1e-6 in the geometric mean."""
-    m = t2po.uncertainty(out["entropies"], out["confidences"], alpha, causal=False)
+    m = t2po.uncertainty(out.entropies, out.confidences, alpha, causal=False)
     return math.exp(sum(math.log(max(x, 1e-6)) for x in m) / len(m)) if m else 0.0
 
 
-def gammas(prev: dict, cur: dict, alpha: float) -> tuple[float, float]:
+def gammas(prev: t2po.Response, cur: t2po.Response, alpha: float) -> tuple[float, float]:
     """(Γ before, Γ now) for the pair of turns."""
     phi_prev, phi = t2po.tds_phis(prev, cur, alpha)
     return abs(old_phi(cur, alpha) - old_phi(prev, alpha)), abs(phi - phi_prev)
@@ -44,13 +44,13 @@ def gammas(prev: dict, cur: dict, alpha: float) -> tuple[float, float]:
 def synthetic(seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
 
-    def turn(length: int, concentration: float) -> dict:
+    def turn(length: int, concentration: float) -> t2po.Response:
         h, c = [], []
         for _ in range(length):
             logp = np.log(rng.dirichlet([concentration] * 50) + 1e-30)
             h.append(float(-(np.exp(logp) * logp).sum()))
             c.append(t2po.token_confidence(sorted(logp.tolist(), reverse=True)[:5], 5))
-        return dict(entropies=h, confidences=c)
+        return t2po.Response(entropies=h, confidences=c)
 
     rows = []
     for (ca, ta), (cb, tb) in [((0.05, 10), (0.05, 300)), ((0.3, 10), (0.3, 300)), ((0.05, 30), (0.05, 30)),
@@ -62,9 +62,9 @@ def synthetic(seed: int = 0) -> list[dict]:
     return rows
 
 
-def response_action(tokenizer, out: dict) -> str:
+def response_action(tokenizer, out: t2po.Response) -> str:
     """The action a generated turn response (generate_turn's output) hands to the environment."""
-    return t2po.parse_response(tokenizer.decode(out["ids"], skip_special_tokens=True))[0]
+    return t2po.parse_response(tokenizer.decode(out.ids, skip_special_tokens=True))[0]
 
 
 def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[str, ...] = ()) -> dict:
@@ -97,9 +97,9 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
             acts = [response_action(tokenizer, prev), response_action(tokenizer, cur)]
             before, now = gammas(prev, cur, a.alpha)
             records.append(dict(repeat=acts[1] == acts[0], gamma_before=before, gamma_now=now, actions=acts,
-                                lengths=[len(prev["ids"]), len(cur["ids"])],
-                                prev={k: prev[k] for k in ("entropies", "confidences")},
-                                cur={k: cur[k] for k in ("entropies", "confidences")}))
+                                lengths=[len(prev.ids), len(cur.ids)],
+                                prev=dict(entropies=prev.entropies, confidences=prev.confidences),
+                                cur=dict(entropies=cur.entropies, confidences=cur.confidences)))
         return decide(prev, cur, a)
 
     t2po.tds_redo = recording_redo
@@ -107,7 +107,7 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
     episodes = [t for t in tasks for _ in range(group_size)]
     pool = EnvPool(args.env, len(episodes), **options)
     t2po.rollout(generator, tokenizer, pool, episodes, [i // group_size for i in range(len(episodes))], args,
-                 step=0, train=True, temperature=args.temperature)
+                 step=1, train=True, temperature=args.temperature)  # the first RL step
     t2po.tds_redo = decide
     return dict(eta=args.tds_eta, records=records)
 

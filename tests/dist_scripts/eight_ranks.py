@@ -9,6 +9,7 @@ bit-identical on all ranks; rank 0 saves {strategy: (parameters after each updat
 `train(script, None)` runs the same functions in one process on every group (the test's reference).
 Usage: torchrun --nproc-per-node 8 eight_ranks.py SCRIPT OUT."""
 
+import dataclasses
 import random
 import sys
 
@@ -34,7 +35,7 @@ def loop_returns(n: int, iteration: int) -> list[list[float]]:
             for g in range(n)]
 
 
-def t2po_groups(n: int, iteration: int) -> list[list[dict]]:
+def t2po_groups(n: int, iteration: int) -> list[list[t2po.Turn]]:
     """t2po_update.fixed_groups for n groups: 2-4 turn samples each, a forced token in every second."""
     g = torch.Generator().manual_seed(100 * iteration + n)
     groups = []
@@ -43,9 +44,10 @@ def t2po_groups(n: int, iteration: int) -> list[list[dict]]:
         for i in range(2 + group % 3):
             prompt = torch.randint(100, 5000, (3 + i,), generator=g).tolist()
             response = torch.randint(100, 5000, (2 + (i * 3 + group) % 4,), generator=g).tolist()
-            samples.append(dict(prompt_ids=prompt, response_ids=response,
-                                mask=[0 if (i == 1 and j == 0) else 1 for j in range(len(response))],
-                                advantage=(-1.0) ** i * (0.5 + 0.25 * (group % 4))))
+            samples.append(t2po.Turn(
+                prompt_ids=prompt, response_ids=response,
+                action_mask=[0 if (i == 1 and j == 0) else 1 for j in range(len(response))],
+                advantage=(-1.0) ** i * (0.5 + 0.25 * (group % 4))))
         groups.append(samples)
     return groups
 
@@ -69,7 +71,7 @@ def update(script: str, model, policy, optimizer, tokenizer, groups: list[int], 
                     random.Random(iteration))
     else:
         everything = t2po_groups(GROUPS[iteration], iteration)
-        samples = [dict(s) for g in groups for s in everything[g]]
+        samples = [dataclasses.replace(s) for g in groups for s in everything[g]]
         args = t2po.Args(minibatch_size=256, micro_batch_size=2, lr=1e-3, clip_eps=0.2, max_grad_norm=1.0)
         t2po.update(policy, optimizer, samples, args, np.random.default_rng(iteration))
 

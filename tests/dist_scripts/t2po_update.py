@@ -7,6 +7,7 @@ whole list. 3 groups on 2 ranks: rank 0 holds 2 groups and rank 1 one, so rank 1
 micro-batches. float64 so that the only difference, the order of the sums, stays far below the tolerance.
 Usage: python t2po_update.py OUT_DIR   (or under torchrun)."""
 
+import dataclasses
 import os
 import sys
 
@@ -30,8 +31,8 @@ def fixed_groups() -> list[list[dict]]:
             prompt = torch.randint(100, 5000, (3 + i,), generator=g).tolist()
             response = torch.randint(100, 5000, (2 + (i * 3 + group) % 4,), generator=g).tolist()
             mask = [0 if (i == 1 and j == 0) else 1 for j in range(len(response))]
-            samples.append(dict(prompt_ids=prompt, response_ids=response, mask=mask,
-                                advantage=(-1.0) ** i * (0.5 + 0.25 * group)))
+            samples.append(t2po.Turn(prompt_ids=prompt, response_ids=response, action_mask=mask,
+                                     advantage=(-1.0) ** i * (0.5 + 0.25 * group)))
         groups.append(samples)
     return groups
 
@@ -47,7 +48,8 @@ def main(out: str) -> None:
                                   weight_decay=0.0)
     mine = [s for group in dist.shard(fixed_groups()) for s in group]
     for it in range(2):
-        stats = t2po.update(policy, optimizer, [dict(s) for s in mine], args, np.random.default_rng(it))
+        samples = [dataclasses.replace(s) for s in mine]
+        stats = t2po.update(policy, optimizer, samples, args, np.random.default_rng(it))
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         agree = ranks_agree([flat])
         if dist.is_main():
