@@ -42,6 +42,7 @@ from common import cli, dist, models, run
 from common.cli import opt
 from common.logprobs import token_logprobs
 from common.run import RunArgs
+from envs.base import require
 
 
 @dataclass
@@ -693,21 +694,20 @@ TOOLLESS_ENVS = ("toy",)  # the tests' fast game: one turn (turns=1), no tools
 
 
 def build_envs(args: Args) -> Envs:
-    """The environment and its tasks, before the model loads (a bad --env: one line, no load).
-    ARPO runs a response's tool calls through `env.execute_tool` and scores it in one `env.step`: an
-    env without that hook (a multi-turn game, Search-R1's) would answer every call with an error and
-    score the response as its first turn, so it is refused; the toy env is admitted by name."""
+    """The environment and its tasks, before the model loads (a bad --env: one line, no load). ARPO
+    runs a response's tool calls through `env.execute_tool` and scores it in one `env.step`: an env
+    without that hook is refused (it would play the response as its first turn); toy by name."""
     options = {"turns": 1} if args.env == "toy" else {}  # one response per question: one toy turn
     if args.env == "tools":  # its retriever
         options["topk"] = args.search_topk
     if args.env == "tools" and args.unsafe_python:
         options["unsafe_python"] = True
-    env, _, train_tasks, eval_tasks = run.make_env(args, **options)  # --env-options win over these
-    if args.env in TOOLLESS_ENVS and getattr(env, "turns", 1) != 1:
+    env, options, train_tasks, eval_tasks = run.make_env(args, **options)  # --env-options win
+    if args.env in TOOLLESS_ENVS and options.get("turns", 1) != 1:
         raise SystemExit(f"arpo.py: --env {args.env!r}: ARPO plays it in one turn; leave turns 1")
-    if args.env not in TOOLLESS_ENVS and not hasattr(env, "execute_tool"):
-        raise SystemExit(f"arpo.py: --env {args.env!r} has no execute_tool hook: ARPO runs the "
-                         "tool calls of one response through it (use --env tools)")
+    if args.env not in TOOLLESS_ENVS:
+        require(env, "execute_tool", script="arpo.py", name=args.env,
+                why="ARPO runs the tool calls of one response through it; --env tools has it")
     return Envs(env, train_tasks, eval_tasks)
 
 

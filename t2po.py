@@ -36,7 +36,7 @@ from common.generation import first_prefix_containing
 from common.logprobs import token_logprobs
 from common.models import unwrap
 from common.run import RunArgs
-from envs.base import EnvPool
+from envs.base import EnvPool, require
 
 Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"]
 
@@ -669,11 +669,8 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
     (or of the policy): the mean NLL of the policy's tokens (TTI-forced tokens are masked)."""
     t0 = time.time()
     rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
-    has_expert = hasattr(env, "expert_action")
+    has_expert = hasattr(env, "expert_action")  # build_envs checked it has expert_thought too
     source = args.cold_start_source.replace("auto", "expert" if has_expert else "sample")
-    if source == "expert" and not has_expert:
-        raise cli.bad_flag("t2po.py", "cold_start_source", source,
-                           f"{args.env!r} has no scripted expert")
     if source == "expert":
         n = min(args.cold_start_episodes, len(train_tasks))
         picks = rng.choice(len(train_tasks), n, replace=False)
@@ -872,6 +869,9 @@ def build_envs(args: Args) -> Envs:
     """The environment, its tasks and the pools, before the model loads. Each rank plays whole
     groups, its share of the step's (advantages stay rank-local); rank 0 the held-out tasks."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
+    if hasattr(env, "expert_action") or (args.cold_start and args.cold_start_source == "expert"):
+        require(env, "expert_action", "expert_thought", script="t2po.py", name=args.env,
+                why="RFT replays the env's scripted expert, a reason for each action")
     if args.epochs > 0:
         args.steps = max(1, args.epochs * len(train_tasks) // args.tasks_per_step)
         run.say(f"--epochs {args.epochs}: {args.steps} steps of {args.tasks_per_step} / "

@@ -646,7 +646,8 @@ def test_an_env_without_the_tool_hook_is_refused_in_one_line_before_the_model_lo
     monkeypatch.setattr(models, "load_policy", no_model)
     monkeypatch.setitem(base._REGISTRY, "no-tools", lambda seed=0: toy.ToyEnv(turns=2, seed=seed))
     two_turn_toy = ["--env", "toy", "--env-options", '{"turns": 2}']
-    for argv, says in ((["--env", "no-tools"], r"^arpo.py: --env 'no-tools' has no execute_tool hook"),
+    no_hook = r"^arpo.py: --env 'no-tools' has no execute_tool\(tag, content\)"
+    for argv, says in ((["--env", "no-tools"], no_hook),
                        (two_turn_toy, r"^arpo.py: --env 'toy': .*turns")):
         with pytest.raises(SystemExit, match=says) as e:
             arpo.main([*argv, "--model", "tiny-random", "--out", str(tmp_path / "run")])

@@ -1057,3 +1057,24 @@ def test_update_reports_the_kl_to_its_reference(tiny_policy):
     stats = t2po.update(model, optimizer, samples, args, np.random.default_rng(0), reference=reference)
     assert len(x) == 4 and expected > 0.01
     assert stats["kl"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_env_without_the_experts_hooks_is_refused_in_one_line_before_the_model(monkeypatch, tmp_path):
+    # RFT replays expert_action() with expert_thought(): an env with the first and not the second used
+    # to crash inside the cold start with AttributeError, after the model had loaded
+    from common import models
+    from envs import base, toy
+
+    class HalfExpert(toy.ToyEnv):
+        def expert_action(self) -> str:
+            return "a b c"
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the environment was checked")
+    monkeypatch.setattr(models, "load_policy", no_model)
+    monkeypatch.setitem(base._REGISTRY, "half-expert", lambda seed=0: HalfExpert(seed=seed))
+    for env, flags, says in (("half-expert", [], "has no expert_thought"),
+                             ("toy", ["--cold-start-source", "expert"], "has no expert_action")):
+        with pytest.raises(SystemExit, match=rf"^t2po.py: --env '{env}' {says}") as e:
+            t2po.main(["--env", env, *flags, "--model", "tiny-random", "--out", str(tmp_path / env)])
+        assert "\n" not in str(e.value.code)
