@@ -489,12 +489,14 @@ def micro_batch(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, to
     return {k: v[rows] for k, v in batch.items()}
 
 
-def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
+                    share_prefixes: bool = True) -> torch.Tensor:
     """log pi(token) at every target of the batch, under softmax(logits / temperature), trimmed to
-    its longest sequence: (b, t-1). `batch["action_mask"]` says which of them the policy sampled."""
+    its longest sequence: (b, t-1). `batch["action_mask"]` says which of them the policy sampled.
+    A prefix rollouts share (the question, a branch's trunk) runs once (--share-prefixes)."""
     t = int(batch["attention_mask"].sum(1).max())
     return token_logprobs(model, batch["input_ids"][:, :t], batch["attention_mask"][:, :t],
-                          temperature=temperature)
+                          temperature=temperature, share_prefixes=share_prefixes)
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -525,13 +527,13 @@ def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, refer
         for rows, _ in micro(list(range(b))) if recompute or kl_on else []:
             mb = micro_batch(batch, rows)
             if recompute:
-                lp = action_logprobs(policy, mb, args.temperature)  # (b, t-1)
+                lp = action_logprobs(policy, mb, args.temperature, args.share_prefixes)
                 batch["old_logp"][rows, :lp.shape[1]] = lp
             if kl_on:  # pi_ref: the initial policy, frozen; with LoRA the base model, adapter off
                 ref = policy if reference is None else reference
                 adapter_off = models.unwrap(policy).disable_adapter() if reference is None else None
                 with adapter_off or nullcontext():
-                    lp = action_logprobs(ref, mb, args.temperature)
+                    lp = action_logprobs(ref, mb, args.temperature, args.share_prefixes)
                 batch["ref_logp"][rows, :lp.shape[1]] = lp
     order = list(range(b))
     rng.shuffle(order)
@@ -549,7 +551,7 @@ def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, refer
             if not dist.all_reduce(int(active), "max"):
                 continue
             mb = micro_batch(batch, rows)
-            logp = action_logprobs(policy, mb, args.temperature)  # (b, t-1)
+            logp = action_logprobs(policy, mb, args.temperature, args.share_prefixes)
             t = logp.shape[1]
             weights, adv = token_weight[rows, :t] * weight, mb["adv"][:, :t]
             old_logp = mb["old_logp"][:, :t] if recompute else logp.detach()
@@ -610,7 +612,7 @@ def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
     batch = build_batch(prompts, demos, unused, r.tokenizer.pad_token_id, device=r.device)  # all
 
     def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # expert tokens, no results
-        logp = action_logprobs(r.policy, micro_batch(batch, rows), 1.0)  # (b, t-1)
+        logp = action_logprobs(r.policy, micro_batch(batch, rows), 1.0, args.share_prefixes)
         mask = batch["action_mask"][rows, :logp.shape[1]]
         return (logp * mask).sum(), mask.sum().item()
 

@@ -377,13 +377,15 @@ def build_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, tor
     return out
 
 
-def action_logprobs(model, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+def action_logprobs(model, b: dict[str, torch.Tensor], temperature: float = 1.0,
+                    share_prefixes: bool = True) -> torch.Tensor:
     """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under
     softmax(logits / temp): the rollouts' sampling distribution (ml-loop divides by it too). The
-    vocabulary projection runs on action tokens only (with long observations, most of the cost)."""
+    vocabulary projection runs on action tokens only (with long observations, most of the cost);
+    a prefix that rollouts share (the task's first prompt) runs once (--share-prefixes)."""
     return logprobs.token_logprobs(model, b["input_ids"], b["attention_mask"],
                                    target_mask=b["action_mask"], temperature=temperature,
-                                   chunk_size=1024)
+                                   chunk_size=1024, share_prefixes=share_prefixes)
 
 
 def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -395,7 +397,7 @@ def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, key: str,
-                       temperature: float = 1.0) -> None:
+                       temperature: float = 1.0, share_prefixes: bool = True) -> None:
     """pi_old(x_t | x_<t) under the training model at the sampling temperature (not the sampler's
     numbers). Every rank runs as many forward passes (dist.same_count: FSDP's is a collective)."""
     chunks = [rollouts[i: i + micro] for i in range(0, len(rollouts), micro)]
@@ -404,7 +406,7 @@ def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, 
             action_logprobs(model, dummy_batch(pad_id, model.device))
             continue
         batch = build_batch(chunk, pad_id, model.device)
-        lp = action_logprobs(model, batch, temperature)  # (n, T-1)
+        lp = action_logprobs(model, batch, temperature, share_prefixes)  # (n, T-1)
         for r, row in zip(chunk, lp, strict=True):
             setattr(r, key, row[: len(r.ids) - 1].tolist())
 
@@ -412,11 +414,11 @@ def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, 
 def reference_logprobs(model, reference, rollouts: list[Rollout], pad_id: int, args: Args) -> None:
     """log pi_ref for the KL ablation: `reference`, a frozen copy (full fine-tune, or the
     cold-started policy), or where it is None `model` with its LoRA adapter off (--model)."""
-    micro, temp = args.micro_batch_size, args.temperature
+    micro, temp, share = args.micro_batch_size, args.temperature, args.share_prefixes
     if reference is not None:
-        return recompute_logprobs(reference, rollouts, pad_id, micro, "ref_logp", temp)
+        return recompute_logprobs(reference, rollouts, pad_id, micro, "ref_logp", temp, share)
     with models.unwrap(model).disable_adapter():
-        recompute_logprobs(model, rollouts, pad_id, micro, "ref_logp", temp)
+        recompute_logprobs(model, rollouts, pad_id, micro, "ref_logp", temp, share)
 
 
 # Update: epochs of minibatches
@@ -453,7 +455,8 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
     dist.grad_scale() (DDP averages over ranks): one step is the same on 1, 2 or 8 ranks."""
     t0, model = time.time(), models.unwrap(policy)  # the no-grad passes skip the DDP wrapper
     # pi_old under the training model at the sampling temperature, before the first step (Sec. 3)
-    recompute_logprobs(model, rollouts, pad_id, args.micro_batch_size, "old_logp", args.temperature)
+    recompute_logprobs(model, rollouts, pad_id, args.micro_batch_size, "old_logp", args.temperature,
+                       args.share_prefixes)
     if args.kl_coef > 0:  # the KL ablation's pi_ref
         reference_logprobs(model, reference, rollouts, pad_id, args)
     time_logprobs = time.time() - t0
@@ -476,7 +479,7 @@ def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], 
                     (action_logprobs(policy, dummy_batch(pad_id, device)).sum() * 0.0).backward()
                     continue
                 b = build_batch([rollouts[i] for i in rows], pad_id, device)
-                new_logp = action_logprobs(policy, b, args.temperature)  # (n, T-1)
+                new_logp = action_logprobs(policy, b, args.temperature, args.share_prefixes)
                 adv = torch.tensor([advantages[i] for i in rows], device=device)  # (n,)
                 loss_sum, st = loop_loss(new_logp, b["old_logp"], b["action_mask"], adv,
                                          b["turn_ids"], clip_eps=args.clip_eps,
@@ -604,7 +607,8 @@ def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
 
     def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # zero off the action tokens
         batch = build_batch([demos[i] for i in rows], pad_id, r.device)
-        return action_logprobs(r.policy, batch).sum(), float(batch["action_mask"].sum())
+        logp = action_logprobs(r.policy, batch, share_prefixes=args.share_prefixes)
+        return logp.sum(), float(batch["action_mask"].sum())
 
     rng = torch.Generator().manual_seed(args.seed)
     loss = run.sft(r.policy, len(demos), log_likelihood, lr=args.cold_start_lr,

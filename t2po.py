@@ -685,7 +685,8 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
             f"({source})")
     if not turns:
         return {}
-    log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows])
+    log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows],
+                                                     args.share_prefixes)
     with run.precision(args):
         loss = run.sft(r.policy, len(turns), log_likelihood, lr=args.cold_start_lr,
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
@@ -745,32 +746,39 @@ def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
             "rows": torch.tensor([distinct.index(k) for k in keys], device=device)}
 
 
-def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
+                    share_prefixes: bool = True) -> torch.Tensor:
     """(B, T-1) log-probs of each turn's action tokens under `model`, one row per turn of the batch
-    (0 elsewhere: the vocabulary projection runs on action tokens only)."""
+    (0 elsewhere: the vocabulary projection runs on action tokens only). A prefix that turns share
+    (the system prompt, a group's task) runs once (--share-prefixes)."""
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                          temperature=temperature, target_mask=batch["action_mask"])  # (U, T-1)
+                          temperature=temperature, target_mask=batch["action_mask"],
+                          share_prefixes=share_prefixes)  # (U, T-1)
     return logp[batch["rows"]]
 
 
-def microbatches(turns: list[Turn], size: int) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each,
-    shortest first, as many on every rank (dist.same_count). A rank with no turns runs a
+def microbatches(turns: list[Turn], size: int, share_prefixes: bool = False
+                 ) -> list[tuple[list[Turn], float]]:
+    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each, as
+    many on every rank (dist.same_count): shortest first, or with --share-prefixes in token order,
+    so that turns sharing a prefix meet in one micro-batch. A rank with no turns runs a
     placeholder of weight 0 whose one target token keeps the backward connected."""
     filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
     copies = defaultdict(list)
     for t in turns:
         copies[turn_key(t)].append(t)
-    distinct = sorted(copies, key=lambda k: len(k[0]) + len(k[1]))
+    length = lambda k: len(k[0]) + len(k[1])
+    distinct = sorted(copies) if share_prefixes else sorted(copies, key=length)
     return dist.same_count([[t for k in distinct[b:b + size] for t in copies[k]]
                             for b in range(0, len(distinct), size)], filler)
 
 
-def sft_log_likelihood(policy, turns: list[Turn]) -> tuple[torch.Tensor, float]:
+def sft_log_likelihood(policy, turns: list[Turn], share_prefixes: bool
+                       ) -> tuple[torch.Tensor, float]:
     """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked); their count."""
     batch = build_batch(turns, next(policy.parameters()).device)
     action_mask = batch["action_mask"][batch["rows"]]  # (B, T-1)
-    logp = action_logprobs(policy, batch, 1.0)  # (B, T-1)
+    logp = action_logprobs(policy, batch, 1.0, share_prefixes)  # (B, T-1)
     return (logp * action_mask).sum(), float(action_mask.sum())
 
 
@@ -779,10 +787,10 @@ def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
                     adapter_off: bool = False) -> None:
     """Log-probs of every turn's tokens under `model` (π_old, or the reference), in turn.<key> as a
     (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
-    for batch, _ in microbatches(turns, args.micro_batch_size):
+    for batch, _ in microbatches(turns, args.micro_batch_size, args.share_prefixes):
         with unwrap(model).disable_adapter() if adapter_off else nullcontext():
             logp = action_logprobs(model, build_batch(batch, next(model.parameters()).device),
-                                   args.temperature)
+                                   args.temperature, args.share_prefixes)
         for t, row in zip(batch, logp, strict=True):
             setattr(t, key, row[:len(t.prompt_ids) + len(t.response_ids) - 1])
 
@@ -822,9 +830,9 @@ def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Ge
         n_tokens = float(sum(sum(s.action_mask) for s in minibatch))
         n_tokens = max(1.0, dist.all_reduce(n_tokens))  # the global count
         optimizer.zero_grad()
-        for turns, weight in microbatches(minibatch, args.micro_batch_size):
+        for turns, weight in microbatches(minibatch, args.micro_batch_size, args.share_prefixes):
             batch = build_batch(turns, device)
-            logp = action_logprobs(policy, batch, args.temperature)  # (B, T-1)
+            logp = action_logprobs(policy, batch, args.temperature, args.share_prefixes)
             # weight 0: a placeholder (no stored log-probs), zero loss and gradient
             action_mask = batch["action_mask"][batch["rows"]] * weight  # (B, T-1)
             width = logp.shape[1]

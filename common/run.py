@@ -70,6 +70,9 @@ class RunArgs:
     weight_decay: float = opt("optimisation", 0.01, "AdamW weight decay (RL and SFT)", ge=0)
     max_grad_norm: float = opt("optimisation", 1.0, "gradient-norm clip", gt=0)
     micro_batch_size: int = opt("optimisation", 4, "sequences per forward/backward pass (memory only)", ge=1)
+    share_prefixes: bool = opt("optimisation", True, "ours: compute once each prefix that sequences of a "
+                               "micro-batch share (a group's prompt, the system prompt), exact up to float "
+                               "rounding; --no-share-prefixes runs every sequence in full")
     steps: int = opt("run", 4, "RL iterations", ge=1)
     eval_every: int = opt("run", 0, "also evaluate held-out tasks every N steps (0: before and after only)",
                           ge=0)

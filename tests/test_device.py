@@ -94,7 +94,8 @@ def test_t2po_update_and_rft_feed_the_model_on_its_device(tiny, default_device_e
     stats = t2po.update(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, args,
                         np.random.default_rng(0), reference=copy.deepcopy(model))
     assert np.isfinite(stats["loss"]) and len(calls) == 1 + 2 + 2
-    loss = run.sft(model, 2, lambda rows: t2po.sft_log_likelihood(model, [samples[i] for i in rows]),
+    log_likelihood = lambda rows: t2po.sft_log_likelihood(model, [samples[i] for i in rows], True)
+    loss = run.sft(model, 2, log_likelihood,
                    lr=0.0, weight_decay=0.0, max_grad_norm=1.0, epochs=1, micro_batch_size=1,
                    permute=lambda n: [0, 1])
     assert np.isfinite(loss) and len(calls) == 7

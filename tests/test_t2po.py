@@ -1010,7 +1010,8 @@ def test_rft_sft_loss_leaves_out_forced_tokens(tiny_policy):
         logp, mask = turn_logprobs(model, [sample])
     per_token = logp[0, 1:5]  # log p of 21, 22, 23, 24
     expected = -(per_token[0] + per_token[3]).item() / 2
-    loss = run.sft(model, 1, lambda rows: t2po.sft_log_likelihood(model, [sample]), lr=1e-9, weight_decay=0.0,
+    loss = run.sft(model, 1, lambda rows: t2po.sft_log_likelihood(model, [sample], True),
+                   lr=1e-9, weight_decay=0.0,
                    max_grad_norm=1.0, epochs=1, micro_batch_size=1, permute=lambda n: list(range(n)))
     assert loss == pytest.approx(expected, abs=1e-5)
     assert loss != pytest.approx(-per_token.mean().item(), abs=1e-3)  # all four tokens: the old loss
