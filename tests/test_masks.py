@@ -230,7 +230,7 @@ def test_loop_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     loop.main(["--env", "toy", "--model", folder, "--backend", "hf", "--lora-rank", "0", "--no-cold-start",
                "--group-size", "2", "--tasks-per-step", "1", "--max-turns", "2", "--max-new-tokens", "6",
                "--temperature", str(TEMPERATURE), "--adv-threshold", "0", "--minibatch-size", "2",
-               "--micro-batch-size", "1", "--steps", "1", "--eval-tasks", "1",
+               "--micro-batch-size", "2", "--steps", "1", "--eval-tasks", "1",
                "--out", str(tmp_path / "run")])
     assert len(rows) == 4  # 2 rollouts, 2 epochs: the second epoch after a step still reads pi_old
     check_rows(rows, draws, model)
@@ -261,9 +261,9 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     rows, last, batches = [], {}, []
     real_logprobs, real_loss, real_update = arpo.action_logprobs, arpo.ppo_dual_clip_loss, arpo.update
 
-    def action_logprobs(model_, micro_batch, temperature):
+    def action_logprobs(model_, micro_batch, *a):
         last["batch"] = micro_batch
-        return real_logprobs(model_, micro_batch, temperature)
+        return real_logprobs(model_, micro_batch, *a)
 
     def ppo_dual_clip_loss(logp, old_logp, adv, mask, *a):
         mb = last["batch"]
@@ -283,7 +283,7 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     # micro-batch computes its loss even when all rewards tie (a random model's format errors: A = 0).
     arpo.main(["--env", "tools", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "3",
                "--initial-rollouts", "2", "--tasks-per-step", "1", "--max-new-tokens", "48", "--temperature",
-               str(TEMPERATURE), "--minibatches", "2", "--micro-batch-size", "1", "--kl-coef", "0.01",
+               str(TEMPERATURE), "--minibatches", "2", "--micro-batch-size", "2", "--kl-coef", "0.01",
                "--lr", "1e-3", "--steps", "1", "--eval-tasks", "1", "--out", str(tmp_path / "run")])
     check_rows(rows, draws, model)
     [batch] = batches
@@ -329,7 +329,7 @@ def test_t2po_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     t2po.main(["--env", "toy", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "2",
                "--tasks-per-step", "1", "--max-turns", "2", "--max-new-tokens", "24", "--temperature",
                str(TEMPERATURE), "--tti-max-think", "2", "--tti-chunk", "4", "--minibatch-size", "2",
-               "--micro-batch-size", "1", "--lr", "1e-3", "--reward", "env", "--steps", "1", "--eval-tasks",
+               "--micro-batch-size", "2", "--lr", "1e-3", "--reward", "env", "--steps", "1", "--eval-tasks",
                "1", "--out", str(tmp_path / "run")])
     assert len(rows) == 4  # 2 episodes x 2 turns
     check_rows(rows, draws, model)
