@@ -94,9 +94,10 @@ def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int
     rows = max(row + 1, 1)
     members = [[n for n in range(len(token)) if row_of_tree[tree[n]] == r] for r in range(rows)]
     width = max(1, *map(len, members))
-    packed_ids = torch.zeros(rows, width, dtype=torch.long)
-    positions = torch.zeros(rows, width, dtype=torch.long)
-    attend = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # padding attends to itself only
+    cpu = torch.device("cpu")  # built here whatever the default device, then moved to the batch's
+    packed_ids = torch.zeros(rows, width, dtype=torch.long, device=cpu)
+    positions = torch.zeros(rows, width, dtype=torch.long, device=cpu)
+    attend = torch.eye(width, dtype=torch.bool, device=cpu).repeat(rows, 1, 1)  # padding: itself
     flat = [0] * len(token)  # node -> r * width + i
     for r, nodes in enumerate(members):
         for i, n in enumerate(nodes):  # creation order: a parent comes before its children
@@ -105,7 +106,7 @@ def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int
             if parent[n] >= 0:
                 attend[r, i] |= attend[r, flat[parent[n]] - r * width]
     node_index = torch.tensor([[flat[n] if n >= 0 else -1 for n in row] for row in node_of],
-                              dtype=torch.long).reshape(input_ids.shape)
+                              dtype=torch.long, device=cpu).reshape(input_ids.shape)
     device = input_ids.device
     return PrefixForest(packed_ids.to(device), positions.to(device), attend[:, None].to(device),
                         node_index.to(device))
