@@ -310,11 +310,13 @@ def test_a_repeated_turn_runs_through_the_model_once_and_its_gradient_is_the_sum
     b = t2po.Turn([11, 14], [31, 32, 33], [1, 0, 1], advantage=0.5)
     batch = [a, dataclasses.replace(a, advantage=-2.0), b, dataclasses.replace(a, advantage=0.25)]
     rows = []
-    hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape[0]),
+    hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape),
                                            with_kwargs=True)
     logp, mask = turn_logprobs(model, batch)  # (4, T-1)
     hook.remove()
-    assert rows == [2]  # a and b, once each
+    # a and b once each, packed in one row with their shared first token once (--share-prefixes):
+    # 11 12 13 21 22, then 14 31 32 33
+    assert rows == [(1, 9)]
     weights = torch.tensor([s.advantage for s in batch])[:, None]  # (4, 1)
     (logp * mask * weights).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
