@@ -449,9 +449,8 @@ def score_rollouts(env, tasks: list, rollouts: list[Rollout], tokenizer
 
 
 def step_rng(seed: int, step: int) -> random.Random:
-    """The sampling randomness of one training step (rollout seeds, fork draws, mini-batch order):
-    from the rank's seed and the step alone, so ranks sample different rollouts and a resume, on any
-    number of ranks, continues exactly."""
+    """The randomness of step `step` (rollout seeds, fork draws, mini-batch order) from the rank's
+    seed and the step alone: ranks sample apart, and a resume on any number of ranks continues."""
     return random.Random(f"{dist.rank_seed(seed)}:{step}")
 
 
@@ -492,8 +491,7 @@ def micro_batch(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, to
 def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                     share_prefixes: bool = True) -> torch.Tensor:
     """log pi(token) at every target of the batch, under softmax(logits / temperature), trimmed to
-    its longest sequence: (b, t-1). `batch["action_mask"]` says which of them the policy sampled.
-    A prefix rollouts share (the question, a branch's trunk) runs once (--share-prefixes)."""
+    its longest sequence: (b, t-1); a shared prefix (the question, a trunk) runs once."""
     t = int(batch["attention_mask"].sum(1).max())
     return token_logprobs(model, batch["input_ids"][:, :t], batch["attention_mask"][:, :t],
                           temperature=temperature, share_prefixes=share_prefixes)

@@ -335,11 +335,9 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, group_size: int, a
 
 
 def step_rng(seed: int, step: int) -> torch.Generator:
-    """The randomness of training step `step` (1-based), from the seed and the step alone, so a
-    resume continues exactly. With --seed (the same on every rank) it picks the step's tasks
-    (random.Random of its key) and orders the update's minibatches; with the rank's seed
-    (dist.rank_seed) its key seeds the rank's sampling. Keyed on step - 1, the 0-based index runs
-    were keyed on before: the same numbers."""
+    """The randomness of step `step` (1-based) from the seed and the step alone: a resume continues
+    exactly. With --seed it picks the step's tasks and orders the minibatches; with the rank's seed
+    (dist.rank_seed) it seeds the rank's sampling. Keyed on step - 1, as runs always were."""
     return torch.Generator().manual_seed(seed * 1_000_003 + step - 1)
 
 
@@ -379,10 +377,9 @@ def build_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, tor
 
 def action_logprobs(model, b: dict[str, torch.Tensor], temperature: float = 1.0,
                     share_prefixes: bool = True) -> torch.Tensor:
-    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under
-    softmax(logits / temp): the rollouts' sampling distribution (ml-loop divides by it too). The
-    vocabulary projection runs on action tokens only (with long observations, most of the cost);
-    a prefix that rollouts share (the task's first prompt) runs once (--share-prefixes)."""
+    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under softmax(logits /
+    temp), the rollouts' sampling distribution (as ml-loop); the vocabulary projection runs on action
+    tokens only, a prefix rollouts share (their task's prompt) once (--share-prefixes)."""
     return logprobs.token_logprobs(model, b["input_ids"], b["attention_mask"],
                                    target_mask=b["action_mask"], temperature=temperature,
                                    chunk_size=1024, share_prefixes=share_prefixes)
@@ -398,8 +395,8 @@ def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, key: str,
                        temperature: float = 1.0, share_prefixes: bool = True) -> None:
-    """pi_old(x_t | x_<t) under the training model at the sampling temperature (not the sampler's
-    numbers). Every rank runs as many forward passes (dist.same_count: FSDP's is a collective)."""
+    """pi_old(x_t | x_<t) under the training model at the sampling temperature; as many forward
+    passes on every rank (dist.same_count: FSDP's forward is a collective)."""
     chunks = [rollouts[i: i + micro] for i in range(0, len(rollouts), micro)]
     for chunk, weight in dist.same_count(chunks, None):
         if not weight:
@@ -412,8 +409,7 @@ def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, 
 
 
 def reference_logprobs(model, reference, rollouts: list[Rollout], pad_id: int, args: Args) -> None:
-    """log pi_ref for the KL ablation: `reference`, a frozen copy (full fine-tune, or the
-    cold-started policy), or where it is None `model` with its LoRA adapter off (--model)."""
+    """log pi_ref (KL ablation): `reference`, a frozen copy, or `model` with its LoRA adapter off."""
     micro, temp, share = args.micro_batch_size, args.temperature, args.share_prefixes
     if reference is not None:
         return recompute_logprobs(reference, rollouts, pad_id, micro, "ref_logp", temp, share)
