@@ -1,16 +1,11 @@
-"""T²PO — Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO plus two
-uncertainty-guided controls on an agent that writes `<think>…</think><action>…</action>`:
-- TTI (token level): once the thinking's self-calibrated uncertainty M_t has flattened out (mean
-  |M_t − M_{t−1}| over a window < ε), or at a thinking cap, force `</think>\\n<action>`.
-- TDS (turn level, training only): a turn whose aggregate uncertainty Φ_k barely differs from the
-  previous turn's is probably a repeat: throw it away and resample it from the same state.
-The rest is GiGPO (verl-agent): one sample per turn with a windowed prompt, episode- plus step-level
-group advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the
-format.
+"""T²PO, Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO (verl-agent)
+plus two uncertainty-guided controls on an agent that writes `<think>…</think><action>…</action>`.
+TTI (token level) forces `</think>\\n<action>` once the thinking's uncertainty M_t has flattened
+out; TDS (turn level, training only) resamples a turn whose uncertainty Φ_k barely differs from the
+previous turn's (probably a repeat). Before RL, rejection-sampling fine-tuning (RFT).
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
-    python t2po.py --no-tti --no-tds --step-advantage-weight 0   # trajectory-level GRPO (ω = 0)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
 Read beside docs/t2po.md (equations next to the lines that implement them).
 """
@@ -45,10 +40,9 @@ Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfwor
 class Args(RunArgs):
     """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
-    preset: Preset = opt("run", "auto", "settings filled into every flag not given (PRESETS). "
-                         "textworld, webshop-lite: our CPU ones; webshop, alfworld, search: the "
-                         "paper's, which start RL from --model with RFT off, NOT from the paper's "
-                         "RFT checkpoints (RFT_CHECKPOINTS): pass one as --model")
+    preset: Preset = opt("run", "auto", "fills every flag not given (PRESETS). Ours (CPU): "
+                         "textworld, webshop-lite; the paper's: webshop, alfworld, search, RFT "
+                         "off, NOT from the paper's RFT checkpoints: pass one as --model")
     # the shared flags (common/run.py) where T²PO's default differs
     steps: int = 3
     tasks_per_step: int = 1  # paper 16
@@ -93,12 +87,10 @@ class Args(RunArgs):
                                      "is invalid too (official ALFWorld projection)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
-    std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: each level "
-                              "(x − mean) / std over its group's turns (off: no std, the paper's "
-                              "trajectory mean at the episode level)")
-    step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib ratio "
-                                 "is ≥ this (1 = identical; verl-agent's enable_similarity)",
-                                 gt=0, le=1)
+    std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: (x − mean) / std "
+                              "over each group's turns (off: the paper's trajectory mean)")
+    step_similarity: float = opt("algorithm", 1.0, "anchor states group at difflib ratio ≥ this "
+                                 "(1 = identical; verl-agent's enable_similarity)", gt=0, le=1)
     clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
     dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| "
                            "per token (verl's clip_ratio_c); 0 = off", ge=0)
@@ -107,16 +99,13 @@ class Args(RunArgs):
         "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
         "it has one (auto), else rejection sampling from the policy (sample)")
     expert_thoughts: Literal["short", "long"] = opt(
-        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in "
-        "TextWorld, the action, the task's sentence for this step and the steps done (~40 tokens "
-        "that TTI is meant to cut; needs --max-new-tokens 96)")
+        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; long "
+        "(TextWorld): ~40 tokens for TTI to cut (needs --max-new-tokens 96)")
 
 
 # The paper's settings (its scripts, examples/*_trainer/train_*.sh: webshop validates on 2 x 128
-# tasks; 200 epochs of 16 tasks = 200 steps), from --model with RFT off (the paper: from
-# RFT_CHECKPOINTS); a flag given wins. textworld (the default run, docs/t2po.md) and webshop-lite
-# are ours, for a CPU: coin collector level 3 (3 turns; held out by walkthrough), RFT on 12 expert
-# episodes, then 4 RL steps of 2 tasks x 8; webshop-lite: no product options, verl's observations.
+# tasks; 200 epochs of 16 tasks = 200 steps), from --model with RFT off; a flag given wins.
+# textworld (the default run) and webshop-lite are ours, for a CPU (docs/t2po.md).
 PRESETS: dict[str, dict] = {
     "webshop": dict(
         group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
