@@ -208,8 +208,7 @@ TURN_TEMPLATE = ("Task: {task}\n{history}Step {step}. Observation: {observation}
 
 def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: str,
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
-    """history: every (observation, action) so far; the last P are shown. verl-agent's wording,
-    shortened: on a CPU each prompt token is paid twice a turn (44 fixed tokens, not 118)."""
+    """history: every (observation, action) so far, the last P shown; verl-agent's, in 44 tokens."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
@@ -227,9 +226,8 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Format check and projection to an action (official: env_package/*/projection.py): one
-# <think>…</think> then one <action>…</action>, tags case-insensitive, action lower-cased.
-# Ill-formed: invalid (penalised) but acts: its first <action>…</action>, else its last 30 chars.
+# Format check and projection (official: env_package/*/projection.py): one <think>…</think> then
+# one <action>…</action>, case-insensitive; an ill-formed turn is invalid (penalised) but acts.
 FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$",
                        re.DOTALL | re.IGNORECASE)
 TAG_RES = {tag: re.compile(pattern, re.IGNORECASE) for tag, pattern in [
@@ -239,9 +237,8 @@ CJK_RE = re.compile(r"[\u4e00-\u9fff]")  # the official check: Chinese text is i
 
 
 def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str, bool]:
-    """(action, valid). Linear in len(text): the strict regex runs only if each tag occurs once; the
-    fallback takes the first `<action>` and the first `</action>` after it (the leftmost lazy
-    match). admissible (ALFWorld): an action outside it is invalid."""
+    """(action, valid); admissible (ALFWorld): an action outside it is invalid. Linear in len(text):
+    the strict regex only if each tag occurs once, else the first <action>…</action>, lazily."""
     counts_ok = all(len(pattern.findall(text)) == 1 for pattern in TAG_RES.values())
     match = FORMAT_RE.match(text) if counts_ok and not CJK_RE.search(text) else None
     if match is not None:
@@ -262,8 +259,7 @@ def token_confidence(top_logprobs: list[float], j: int) -> float:
 
 
 def minmax(values: list[float], causal: bool) -> list[float]:
-    """x̃_t = (x_t − x_min) / (x_max − x_min), over the whole generation, or (causal) over tokens
-    ≤ t only, as an online logits processor sees them. A flat range normalises to 0 (ours)."""
+    """x̃_t = (x_t − x_min)/(x_max − x_min) over the span or (causal) tokens ≤ t; flat: 0 (ours)."""
     out, lo, hi = [], math.inf, -math.inf
     if not causal and values:
         lo, hi = min(values), max(values)
@@ -302,9 +298,8 @@ def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: in
 def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[int], args: Args, *,
                   temperature: float, top_p: float = 1.0, top_k: int = 0,
                   tti: bool) -> list[Response]:
-    """One response per prompt. With TTI: the thinking in chunks, each scanned with the causal rule,
-    cut at the firing token, FORCED_TEXT appended, then the action. Noise keyed on (seed, position)
-    makes this equal an online logits processor token for token (≤ tti_chunk tokens wasted)."""
+    """One response per prompt. With TTI: the thinking in chunks, each cut where the causal rule
+    fires, then FORCED_TEXT and the action; seeds keyed on position: an online logits processor."""
     budget = args.max_new_tokens
     max_think = args.tti_max_think or budget - min(32, budget // 2)  # leave room for the action
     gen_kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs_k=args.top_j)
@@ -317,8 +312,7 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
         out.entropies += sample.entropies[:n]
         out.confidences += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
 
-    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past
-    # a natural </think> to </action>: one call per turn when it covers the response.
+    # Phase 1 (TTI only): a chunk runs on past a natural </think> to </action>: one call may do all
     thinking = list(range(len(prompts))) if tti else []
     while thinking:
         chunk = min(args.tti_chunk, budget - min(len(outs[i].ids) for i in thinking))
@@ -436,8 +430,7 @@ def group_normalise(values: list[float], keys: list, std_normalize: bool, single
 
 
 def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
-    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or the
-    group's first cluster whose first observation has difflib ratio ≥ similarity, else a new one."""
+    """(group, anchor cluster) per turn: its raw observation, or the first similar one (difflib)."""
     representatives: dict = defaultdict(list)  # group -> first observation of each cluster
     keys = []
     for ep in episodes:
@@ -457,15 +450,11 @@ def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
 
 def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_normalize: bool,
                      similarity: float = 1.0) -> list[list[float]]:
-    """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted
-    from that turn's own scores after discounting, as verl-agent: it reaches no other turn):
+    """A = A_E + ω·A_S; p_t (an invalid turn's penalty) comes off its own scores after discounting:
     A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
-    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose
-      raw observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
-    std_normalize: verl-agent's mean_std_norm exactly (episode_norm_reward with its default
-    compute_mean_std_cross_steps, step_norm_reward): each level (x − mean) / (std + 1e-6), mean and
-    unbiased std over its group's turns (episode level: the turn scores R_j − p_t, so a longer
-    trajectory weighs more in the mean, unlike the paper's); a group of one turn: 0 and 1."""
+    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group, G_t = Σ_{j≥t} γ^{j−t} r_j.
+    std_normalize: verl-agent's mean_std_norm, (x − mean) / (std + 1e-6) over the group's turns
+    (episode level: a longer trajectory weighs more, unlike the paper's trajectory mean)."""
     returns = [sum(t.reward for t in ep.turns) for ep in episodes]
     step_values, episode_values, episode_keys = [], [], []
     for r, ep in zip(returns, episodes, strict=True):
@@ -583,8 +572,7 @@ def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
 
 def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int,
              stage: str = "", prefix: str = "eval/") -> dict:
-    """Held-out (or probe/) episodes, one per task; TTI on (it is part of inference), TDS off
-    (training). stage: its transcripts' name (base, cold_start, step_{n}, probe_step_{n}, rl)."""
+    """One held-out (or probe/) episode per task, TTI on, TDS off; stage: the transcripts' name."""
     t0 = time.time()
     episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args,
                               step=step, train=False, temperature=args.eval_temperature,
@@ -606,8 +594,7 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
 
 # Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
 def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
-    """Replay the environment's scripted expert (`env.expert_action()`, `env.expert_thought()` its
-    reason) as `<think>…</think><action>…</action>` turns with the prompts the policy sees."""
+    """Replay the env's scripted expert (expert_action, expert_thought) in the policy's prompts."""
     episodes = []
     for task in tasks:
         obs, info = env.reset(task)
@@ -636,8 +623,7 @@ def rft_keep(episodes: list[Episode]) -> list:
 
 def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
                       args: Args) -> tuple[list[bool], list[Turn]]:
-    """Rejection sampling from the policy: ranks split --cold-start-episodes; each keeps all ranks'
-    wins. Returns every episode's won, and the kept turns."""
+    """Rejection sampling: ranks split the episodes, each keeps all wins; (each won, kept turns)."""
     wins, turns, per_rank = [], [], args.group_size  # episodes per rank per round
     pool = EnvPool(args.env, per_rank, **options)
     for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
@@ -654,8 +640,7 @@ def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
 
 
 def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rng=None) -> dict:
-    """RFT: SFT on the turns of successful, well-formed trajectories of the env's scripted expert
-    (or of the policy): the mean NLL of the policy's tokens (TTI-forced tokens are masked)."""
+    """RFT: SFT (mean NLL, forced tokens masked) on the expert's or the policy's rft_keep turns."""
     t0 = time.time()
     rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
     has_expert = hasattr(env, "expert_action")  # build_envs checked it has expert_thought too
@@ -691,9 +676,8 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                   action_mask: torch.Tensor, clip_eps: float,
                   dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by the
-    minibatch's token count), and the number of clipped tokens. dual_clip c > 1 (Ye et al. 2020,
-    verl's actor): where A < 0 a token's loss is also capped at −c·A (a huge ratio is bounded)."""
+    """Σ_tokens −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by #tokens),
+    and the clipped-token count; dual_clip c > 1 (Ye et al. 2020, verl): for A < 0 at most −c·A."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     token_loss = -torch.minimum(unclipped, clipped)
@@ -704,8 +688,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ,
-    clamped to [−10, 10] as verl's `low_var_kl` (the ALFWorld script's)."""
+    """Per-token k3 KL(π_θ || π_ref): e^x − x − 1, x = log π_ref − log π_θ; clamped ±10 (verl)."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
@@ -715,9 +698,8 @@ def turn_key(turn: Turn) -> tuple:
 
 
 def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
-    """The distinct turns (a repeated one runs once), prompt + response right-padded, on `device`:
-    input_ids and attention_mask (U, T); action_mask (U, T-1), 1 where target t+1 is a token the
-    policy sampled; rows (B,): the row of each of `turns`."""
+    """Distinct turns (a repeat runs once), prompt + response padded: input_ids, attention_mask
+    (U, T); action_mask (U, T-1), 1 where target t+1 was sampled; rows (B,): each turn's row."""
     keys = [turn_key(t) for t in turns]
     distinct = list(dict.fromkeys(keys))
     unique = [turns[keys.index(k)] for k in distinct]
@@ -737,9 +719,8 @@ def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
 
 def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                     share_prefixes: bool = True) -> torch.Tensor:
-    """(B, T-1) log-probs of each turn's action tokens under `model`, one row per turn of the batch
-    (0 elsewhere: the vocabulary projection runs on action tokens only). A prefix that turns share
-    (the system prompt, a group's task) runs once (--share-prefixes)."""
+    """(B, T-1) log-probs of each turn's action tokens under `model` (0 elsewhere); a prefix that
+    turns share (the system prompt, a group's task) runs once with share_prefixes."""
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                           temperature=temperature, target_mask=batch["action_mask"],
                           share_prefixes=share_prefixes)  # (U, T-1)
@@ -748,10 +729,9 @@ def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
 
 def microbatches(turns: list[Turn], size: int, share_prefixes: bool = False
                  ) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each, as
-    many on every rank (dist.same_count): shortest first, or with --share-prefixes in token order,
-    so that turns sharing a prefix meet in one micro-batch. A rank with no turns runs a
-    placeholder of weight 0 whose one target token keeps the backward connected."""
+    """(turns, weight) micro-batches of ≤ size distinct turns with all copies, as many on every
+    rank: shortest first, or token order so shared prefixes meet; a rank with no turns runs a
+    weight-0 placeholder (its one target token keeps the backward connected)."""
     filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
     copies = defaultdict(list)
     for t in turns:
@@ -804,8 +784,7 @@ def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Ge
     token-mean's divisor are global, so a step is the same on 1 or 8 ranks."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
     parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # as many on every rank
-    # π_old: the policy that sampled the turns. The first minibatch trains on π_old itself (no
-    # dropout): its own forward, detached; the later ones' is computed now, before the first step.
+    # π_old: the first minibatch's is its own forward, detached (no dropout); the later ones' now.
     if n_minibatches > 1:
         policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
     if args.kl_coef > 0:
@@ -891,9 +870,7 @@ def turn_prompts(env, tasks: list, args: Args) -> list[str]:
 
 
 def step_rng(seed: int, step: int) -> np.random.Generator:
-    """The randomness of training step `step` (the step-th update): from the seed and the step
-    alone, so that a resume continues exactly. The tasks are drawn with args.seed (the same on
-    every rank), the minibatch order with dist.rank_seed(args.seed)."""
+    """Step `step`'s randomness, from the seed and the step alone: a resume continues exactly."""
     return np.random.default_rng([seed, step - 1])  # keyed on the 0-based index, as before
 
 
