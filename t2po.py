@@ -81,8 +81,7 @@ class Args(RunArgs):
     success_reward: float = opt("environment", 10.0, "reward = this × success")
     reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); "
                                             "env: 10 × the env's final reward (WebShop score)")
-    format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own "
-                                "episode score and step return, after discounting", ge=0)
+    format_penalty: float = opt("algorithm", 0.1, "p_t: off an ill-formed turn's own scores", ge=0)
     inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list "
                                      "is invalid too (official ALFWorld projection)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
@@ -370,15 +369,13 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
 
 # TDS: turn-level dynamical sampling (training rollouts only)
 def turn_signal(m: list[float]) -> float:
-    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros, min–max's anchor
-    (a floor would make Φ depend on the length, floor^(1/T)). No nonzero M: 0 (no signal)."""
+    """Φ_k = geometric mean of the turn's M_t, exact zeros left out (ours, docs/t2po.md); none: 0."""
     logs = [math.log(x) for x in m if x > 0]
     return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
 
 def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]:
-    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max over the policy tokens of both turns, so Γ_k
-    compares their levels (per turn, every M would span [0, 1]: Γ would compare shapes)."""
+    """(Φ_{k−1}, Φ_k) on one min–max scale over both turns (ours): Γ_k compares levels."""
     m = uncertainty(prev.entropies + cur.entropies, prev.confidences + cur.confidences, alpha,
                     causal=False)
     split = len(prev.entropies)
@@ -391,7 +388,6 @@ def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
 
 
 def tds_redo(prev: Response | None, cur: Response, args: Args) -> bool:
-    """Resample turn `cur` given the kept previous turn of its episode (None at k = 0)?"""
     if prev is None:
         return False
     phi_prev, phi = tds_phis(prev, cur, args.alpha)
@@ -423,7 +419,6 @@ def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> d
 
 def group_normalise(values: list[float], keys: list, std_normalize: bool, singleton_mean_zero: bool,
                     stats: dict | None = None) -> list[float]:
-    """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std), if given."""
     stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
     return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
             for k, v in zip(keys, values, strict=True)]
@@ -486,8 +481,7 @@ def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attemp
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *,
             step: int, train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
             keys: list[int] | None = None) -> tuple[list[Episode], dict]:
-    """(episodes, counters summed over turns). keys: a global id per episode (default 0..n−1)
-    keying its seeds: an episode draws the same tokens on whichever rank plays it."""
+    """(episodes, counters); keys: global episode ids, so an episode's seeds ignore the rank."""
     n, keys, stats = len(tasks), keys or list(range(len(tasks))), defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
         return [], stats
@@ -549,7 +543,6 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
 
 def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
                     gather: bool = False) -> dict:
-    """Rollout metrics; gather=True (training, under torchrun): over every rank's episodes."""
     rows = [(ep.won, ep.score, sum(t.reward - t.penalty for t in ep.turns)) for ep in episodes]
     if gather:  # every rank's rows; their counters summed in rank order
         parts = dist.all_gather_object((rows, dict(stats)))
@@ -617,7 +610,6 @@ def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
 
 
 def rft_keep(episodes: list[Episode]) -> list:
-    """RFT keeps the successful trajectories whose every turn is well formed: their turns."""
     return [t for ep in episodes if ep.won and all(t.valid for t in ep.turns) for t in ep.turns]
 
 
@@ -719,8 +711,7 @@ def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
 
 def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                     share_prefixes: bool = True) -> torch.Tensor:
-    """(B, T-1) log-probs of each turn's action tokens under `model` (0 elsewhere); a prefix that
-    turns share (the system prompt, a group's task) runs once with share_prefixes."""
+    """(B, T-1) log-probs of the action tokens (0 elsewhere); shared prefixes run once if asked."""
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                           temperature=temperature, target_mask=batch["action_mask"],
                           share_prefixes=share_prefixes)  # (U, T-1)
@@ -729,9 +720,8 @@ def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
 
 def microbatches(turns: list[Turn], size: int, share_prefixes: bool = False
                  ) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of ≤ size distinct turns with all copies, as many on every
-    rank: shortest first, or token order so shared prefixes meet; a rank with no turns runs a
-    weight-0 placeholder (its one target token keeps the backward connected)."""
+    """(turns, weight) micro-batches of ≤ size distinct turns and their copies, as many per rank
+    (a weight-0 placeholder keeps the backward connected), shortest first or in prefix order."""
     filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
     copies = defaultdict(list)
     for t in turns:
@@ -754,8 +744,7 @@ def sft_log_likelihood(policy, turns: list[Turn], share_prefixes: bool
 @torch.no_grad()
 def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
                     adapter_off: bool = False) -> None:
-    """Log-probs of every turn's tokens under `model` (π_old, or the reference), in turn.<key> as a
-    (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
+    """turn.<key> = its (len(ids) − 1,) log-probs under `model`; adapter_off: LoRA's base model."""
     for batch, _ in microbatches(turns, args.micro_batch_size, args.share_prefixes):
         with unwrap(model).disable_adapter() if adapter_off else nullcontext():
             logp = action_logprobs(model, build_batch(batch, next(model.parameters()).device),
@@ -779,9 +768,8 @@ def stacked(batch: list[Turn], key: str, width: int) -> torch.Tensor:
 
 def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Generator,
            reference=None) -> dict:
-    """One epoch over the turn samples, an optimizer step per minibatch, PPO-clip, token-mean.
-    Under torchrun `samples` are this rank's (whole groups): the minibatch count and each
-    token-mean's divisor are global, so a step is the same on 1 or 8 ranks."""
+    """One epoch of PPO-clip, an optimizer step per minibatch, token-mean; the minibatch count and
+    the token divisor are global (`samples` are this rank's), so 1 or 8 ranks take the same step."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
     parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # as many on every rank
     # π_old: the first minibatch's is its own forward, detached (no dropout); the later ones' now.
