@@ -369,7 +369,7 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
 
 # TDS: turn-level dynamical sampling (training rollouts only)
 def turn_signal(m: list[float]) -> float:
-    """Φ_k = geometric mean of the turn's M_t, exact zeros left out (ours, docs/t2po.md); none: 0."""
+    """Φ_k = geometric mean of the turn's M_t, exact zeros left out (ours: docs/t2po.md), or 0."""
     logs = [math.log(x) for x in m if x > 0]
     return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
