@@ -1,13 +1,11 @@
 """T²PO, Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO (verl-agent)
-plus two uncertainty-guided controls on an agent that writes `<think>…</think><action>…</action>`.
-TTI (token level) forces `</think>\\n<action>` once the thinking's uncertainty M_t has flattened
-out; TDS (turn level, training only) resamples a turn whose uncertainty Φ_k barely differs from the
-previous turn's (probably a repeat). Before RL, rejection-sampling fine-tuning (RFT).
+plus TTI, which forces `</think>\\n<action>` once the thinking's uncertainty M_t has flattened out,
+and TDS (training only), which resamples a turn whose uncertainty Φ_k barely differs from the
+previous turn's; RFT first. Read beside docs/t2po.md: the equations next to their lines, more runs.
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
-Read beside docs/t2po.md (equations next to the lines that implement them).
 """
 
 from __future__ import annotations
@@ -52,8 +50,7 @@ class Args(RunArgs):
     weight_decay: float = 0.0
     cold_start_episodes: int = 6
     cold_start_lr: float = 5e-5
-    epochs: int = opt("run", 0, "> 0: set --steps to this many passes over the training tasks, "
-                      "tasks-per-step at a time (the search preset: 1, its total_epochs)", ge=0)
+    epochs: int = opt("run", 0, "> 0: --steps from this many epochs of the tasks (search: 1)", ge=0)
     autocast: Literal["off", "bf16", "auto"] = opt(
         "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay "
         "fp32: verl's mixed precision); auto (every preset): on a GPU or a CPU with native bf16")
@@ -82,8 +79,7 @@ class Args(RunArgs):
     reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); "
                                             "env: 10 × the env's final reward (WebShop score)")
     format_penalty: float = opt("algorithm", 0.1, "p_t: off an ill-formed turn's own scores", ge=0)
-    inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list "
-                                     "is invalid too (official ALFWorld projection)")
+    inadmissible_invalid: bool = opt("environment", False, "inadmissible is invalid (ALFWorld)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
     std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: (x − mean) / std "
@@ -102,9 +98,8 @@ class Args(RunArgs):
         "(TextWorld): ~40 tokens for TTI to cut (needs --max-new-tokens 96)")
 
 
-# The paper's settings (its scripts, examples/*_trainer/train_*.sh: webshop validates on 2 x 128
-# tasks; 200 epochs of 16 tasks = 200 steps), from --model with RFT off; a flag given wins.
-# textworld (the default run) and webshop-lite are ours, for a CPU (docs/t2po.md).
+# The paper's (examples/*_trainer/train_*.sh: webshop validates on 2 x 128 tasks; 200 epochs of 16
+# tasks = 200 steps), RFT off; textworld, webshop-lite: ours, for a CPU. A flag given wins.
 PRESETS: dict[str, dict] = {
     "webshop": dict(
         group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
@@ -225,8 +220,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Format check and projection (official: env_package/*/projection.py): one <think>…</think> then
-# one <action>…</action>, case-insensitive; an ill-formed turn is invalid (penalised) but acts.
+# Format check and projection as the official env_package/*/projection.py: ill-formed still acts.
 FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$",
                        re.DOTALL | re.IGNORECASE)
 TAG_RES = {tag: re.compile(pattern, re.IGNORECASE) for tag, pattern in [
@@ -236,8 +230,7 @@ CJK_RE = re.compile(r"[\u4e00-\u9fff]")  # the official check: Chinese text is i
 
 
 def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str, bool]:
-    """(action, valid); admissible (ALFWorld): an action outside it is invalid. Linear in len(text):
-    the strict regex only if each tag occurs once, else the first <action>…</action>, lazily."""
+    """(action, valid); linear in len(text): FORMAT_RE runs only if each tag occurs exactly once."""
     counts_ok = all(len(pattern.findall(text)) == 1 for pattern in TAG_RES.values())
     match = FORMAT_RE.match(text) if counts_ok and not CJK_RE.search(text) else None
     if match is not None:
@@ -471,8 +464,7 @@ def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_no
 
 # Rollout: every episode of a batch advances one turn at a time; a turn is generated as one batch.
 def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attempt: int = 0) -> int:
-    """The sampling seed of one turn: of training step `step` (train), or of an evaluation after
-    `step` updates (−1: RFT's sampling); episode: its global id; attempt: TDS's resample number."""
+    """A turn's seed: train step `step`, or an eval after `step` updates (−1: RFT); TDS attempt."""
     step = step - 1 if train else step  # training keys on the step's 0-based index, as before
     key = [seed, step, int(train), episode, turn, attempt]
     return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
@@ -830,8 +822,7 @@ class Envs:
 
 
 def build_envs(args: Args) -> Envs:
-    """The environment, its tasks and the pools, before the model loads. Each rank plays whole
-    groups, its share of the step's (advantages stay rank-local); rank 0 the held-out tasks."""
+    """The env, tasks and pools, before the model loads: each rank whole groups; rank 0 held-out."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if hasattr(env, "expert_action") or (args.cold_start and args.cold_start_source == "expert"):
         require(env, "expert_action", "expert_thought", script="t2po.py", name=args.env,
