@@ -1,18 +1,11 @@
-"""T²PO — Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO plus two
-uncertainty-guided controls on an agent that writes `<think>…</think><action>…</action>`:
-- TTI (token level): once the thinking's self-calibrated uncertainty M_t has flattened out (mean
-  |M_t − M_{t−1}| over a window < ε), or at a thinking cap, force `</think>\\n<action>`.
-- TDS (turn level, training only): a turn whose aggregate uncertainty Φ_k barely differs from the
-  previous turn's is probably a repeat: throw it away and resample it from the same state.
-The rest is GiGPO (verl-agent): one sample per turn with a windowed prompt, episode- plus step-level
-group advantages, PPO-clip, no KL; before RL, rejection-sampling fine-tuning (RFT) teaches the
-format.
+"""T²PO, Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO (verl-agent)
+plus TTI, which forces `</think>\\n<action>` once the thinking's uncertainty M_t has flattened out,
+and TDS (training only), which resamples a turn whose uncertainty Φ_k barely differs from the
+previous turn's; RFT first. Read beside docs/t2po.md: the equations next to their lines, more runs.
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
-    python t2po.py --no-tti --no-tds --step-advantage-weight 0   # trajectory-level GRPO (ω = 0)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
-Read beside docs/t2po.md (equations next to the lines that implement them).
 """
 
 from __future__ import annotations
@@ -45,10 +38,9 @@ Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfwor
 class Args(RunArgs):
     """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
-    preset: Preset = opt("run", "auto", "settings filled into every flag not given (PRESETS). "
-                         "textworld, webshop-lite: our CPU ones; webshop, alfworld, search: the "
-                         "paper's, which start RL from --model with RFT off, NOT from the paper's "
-                         "RFT checkpoints (RFT_CHECKPOINTS): pass one as --model")
+    preset: Preset = opt("run", "auto", "fills every flag not given (PRESETS). Ours (CPU): "
+                         "textworld, webshop-lite; the paper's: webshop, alfworld, search, RFT "
+                         "off, NOT from the paper's RFT checkpoints: pass one as --model")
     # the shared flags (common/run.py) where T²PO's default differs
     steps: int = 3
     tasks_per_step: int = 1  # paper 16
@@ -58,8 +50,7 @@ class Args(RunArgs):
     weight_decay: float = 0.0
     cold_start_episodes: int = 6
     cold_start_lr: float = 5e-5
-    epochs: int = opt("run", 0, "> 0: set --steps to this many passes over the training tasks, "
-                      "tasks-per-step at a time (the search preset: 1, its total_epochs)", ge=0)
+    epochs: int = opt("run", 0, "> 0: --steps from this many epochs of the tasks (search: 1)", ge=0)
     autocast: Literal["off", "bf16", "auto"] = opt(
         "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay "
         "fp32: verl's mixed precision); auto (every preset): on a GPU or a CPU with native bf16")
@@ -87,18 +78,14 @@ class Args(RunArgs):
     success_reward: float = opt("environment", 10.0, "reward = this × success")
     reward: Literal["success", "env"] = opt("environment", "success", "success: 10 × won (paper); "
                                             "env: 10 × the env's final reward (WebShop score)")
-    format_penalty: float = opt("algorithm", 0.1, "subtracted from an ill-formed turn's own "
-                                "episode score and step return, after discounting", ge=0)
-    inadmissible_invalid: bool = opt("environment", False, "an action outside the admissible list "
-                                     "is invalid too (official ALFWorld projection)")
+    format_penalty: float = opt("algorithm", 0.1, "p_t: off an ill-formed turn's own scores", ge=0)
+    inadmissible_invalid: bool = opt("environment", False, "inadmissible is invalid (ALFWorld)")
     gamma: float = opt("algorithm", 0.95, "γ for step-level discounted returns", ge=0, le=1)
     step_advantage_weight: float = opt("algorithm", 1.0, "ω in A = A_E + ω·A_S")
-    std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: each level "
-                              "(x − mean) / std over its group's turns (off: no std, the paper's "
-                              "trajectory mean at the episode level)")
-    step_similarity: float = opt("algorithm", 1.0, "anchor states group when their difflib ratio "
-                                 "is ≥ this (1 = identical; verl-agent's enable_similarity)",
-                                 gt=0, le=1)
+    std_normalize: bool = opt("algorithm", False, "verl-agent's mean_std_norm: (x − mean) / std "
+                              "over each group's turns (off: the paper's trajectory mean)")
+    step_similarity: float = opt("algorithm", 1.0, "anchor states group at difflib ratio ≥ this "
+                                 "(1 = identical; verl-agent's enable_similarity)", gt=0, le=1)
     clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
     dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| "
                            "per token (verl's clip_ratio_c); 0 = off", ge=0)
@@ -107,16 +94,12 @@ class Args(RunArgs):
         "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
         "it has one (auto), else rejection sampling from the policy (sample)")
     expert_thoughts: Literal["short", "long"] = opt(
-        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; or, in "
-        "TextWorld, the action, the task's sentence for this step and the steps done (~40 tokens "
-        "that TTI is meant to cut; needs --max-new-tokens 96)")
+        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; long "
+        "(TextWorld): ~40 tokens for TTI to cut (needs --max-new-tokens 96)")
 
 
-# The paper's settings (its scripts, examples/*_trainer/train_*.sh: webshop validates on 2 x 128
-# tasks; 200 epochs of 16 tasks = 200 steps), from --model with RFT off (the paper: from
-# RFT_CHECKPOINTS); a flag given wins. textworld (the default run, docs/t2po.md) and webshop-lite
-# are ours, for a CPU: coin collector level 3 (3 turns; held out by walkthrough), RFT on 12 expert
-# episodes, then 4 RL steps of 2 tasks x 8; webshop-lite: no product options, verl's observations.
+# The paper's (examples/*_trainer/train_*.sh: webshop validates on 2 x 128 tasks; 200 epochs of 16
+# tasks = 200 steps), RFT off; textworld, webshop-lite: ours, for a CPU. A flag given wins.
 PRESETS: dict[str, dict] = {
     "webshop": dict(
         group_size=8, tasks_per_step=16, max_turns=15, max_new_tokens=300, lr=1e-6,
@@ -219,8 +202,7 @@ TURN_TEMPLATE = ("Task: {task}\n{history}Step {step}. Observation: {observation}
 
 def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: str,
                       admissible: list[str], history_length: int, max_obs_chars: int) -> str:
-    """history: every (observation, action) so far; the last P are shown. verl-agent's wording,
-    shortened: on a CPU each prompt token is paid twice a turn (44 fixed tokens, not 118)."""
+    """history: every (observation, action) so far, the last P shown; verl-agent's, in 44 tokens."""
     shown = history[-history_length:] if history_length > 0 else []
     first = len(history) - len(shown) + 1
     lines = "".join(f"[Observation {first + i}: '{o[:max_obs_chars]}', Action {first + i}: '{a}']\n"
@@ -238,9 +220,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Format check and projection to an action (official: env_package/*/projection.py): one
-# <think>…</think> then one <action>…</action>, tags case-insensitive, action lower-cased.
-# Ill-formed: invalid (penalised) but acts: its first <action>…</action>, else its last 30 chars.
+# Format check and projection as the official env_package/*/projection.py: ill-formed still acts.
 FORMAT_RE = re.compile(r"^\s*<think>(.*?)</think>\s*<action>(.*?)</action>\s*$",
                        re.DOTALL | re.IGNORECASE)
 TAG_RES = {tag: re.compile(pattern, re.IGNORECASE) for tag, pattern in [
@@ -250,9 +230,7 @@ CJK_RE = re.compile(r"[\u4e00-\u9fff]")  # the official check: Chinese text is i
 
 
 def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str, bool]:
-    """(action, valid). Linear in len(text): the strict regex runs only if each tag occurs once; the
-    fallback takes the first `<action>` and the first `</action>` after it (the leftmost lazy
-    match). admissible (ALFWorld): an action outside it is invalid."""
+    """(action, valid); linear in len(text): FORMAT_RE runs only if each tag occurs exactly once."""
     counts_ok = all(len(pattern.findall(text)) == 1 for pattern in TAG_RES.values())
     match = FORMAT_RE.match(text) if counts_ok and not CJK_RE.search(text) else None
     if match is not None:
@@ -273,8 +251,7 @@ def token_confidence(top_logprobs: list[float], j: int) -> float:
 
 
 def minmax(values: list[float], causal: bool) -> list[float]:
-    """x̃_t = (x_t − x_min) / (x_max − x_min), over the whole generation, or (causal) over tokens
-    ≤ t only, as an online logits processor sees them. A flat range normalises to 0 (ours)."""
+    """x̃_t = (x_t − x_min)/(x_max − x_min) over the span or (causal) tokens ≤ t; flat: 0 (ours)."""
     out, lo, hi = [], math.inf, -math.inf
     if not causal and values:
         lo, hi = min(values), max(values)
@@ -313,9 +290,8 @@ def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: in
 def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[int], args: Args, *,
                   temperature: float, top_p: float = 1.0, top_k: int = 0,
                   tti: bool) -> list[Response]:
-    """One response per prompt. With TTI: the thinking in chunks, each scanned with the causal rule,
-    cut at the firing token, FORCED_TEXT appended, then the action. Noise keyed on (seed, position)
-    makes this equal an online logits processor token for token (≤ tti_chunk tokens wasted)."""
+    """One response per prompt. With TTI: the thinking in chunks, each cut where the causal rule
+    fires, then FORCED_TEXT and the action; seeds keyed on position: an online logits processor."""
     budget = args.max_new_tokens
     max_think = args.tti_max_think or budget - min(32, budget // 2)  # leave room for the action
     gen_kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs_k=args.top_j)
@@ -328,8 +304,7 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
         out.entropies += sample.entropies[:n]
         out.confidences += [token_confidence(lp, args.top_j) for lp in sample.top_logprobs[:n]]
 
-    # Phase 1, thinking (TTI only): chunks until TTI fires, eos or the budget. A chunk runs on past
-    # a natural </think> to </action>: one call per turn when it covers the response.
+    # Phase 1 (TTI only): a chunk runs on past a natural </think> to </action>: one call may do all
     thinking = list(range(len(prompts))) if tti else []
     while thinking:
         chunk = min(args.tti_chunk, budget - min(len(outs[i].ids) for i in thinking))
@@ -387,15 +362,13 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
 
 # TDS: turn-level dynamical sampling (training rollouts only)
 def turn_signal(m: list[float]) -> float:
-    """Φ_k = geometric mean of M_t over the turn's tokens without the exact zeros, min–max's anchor
-    (a floor would make Φ depend on the length, floor^(1/T)). No nonzero M: 0 (no signal)."""
+    """Φ_k = geometric mean of the turn's M_t, exact zeros left out (ours: docs/t2po.md), or 0."""
     logs = [math.log(x) for x in m if x > 0]
     return math.exp(sum(logs) / len(logs)) if logs else 0.0
 
 
 def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]:
-    """(Φ_{k−1}, Φ_k) on one scale: M_t's min–max over the policy tokens of both turns, so Γ_k
-    compares their levels (per turn, every M would span [0, 1]: Γ would compare shapes)."""
+    """(Φ_{k−1}, Φ_k) on one min–max scale over both turns (ours): Γ_k compares levels."""
     m = uncertainty(prev.entropies + cur.entropies, prev.confidences + cur.confidences, alpha,
                     causal=False)
     split = len(prev.entropies)
@@ -408,7 +381,6 @@ def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
 
 
 def tds_redo(prev: Response | None, cur: Response, args: Args) -> bool:
-    """Resample turn `cur` given the kept previous turn of its episode (None at k = 0)?"""
     if prev is None:
         return False
     phi_prev, phi = tds_phis(prev, cur, args.alpha)
@@ -440,15 +412,13 @@ def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> d
 
 def group_normalise(values: list[float], keys: list, std_normalize: bool, singleton_mean_zero: bool,
                     stats: dict | None = None) -> list[float]:
-    """x − mean(its key's group) [/ (std + 1e-6)]; stats: the groups' (mean, std), if given."""
     stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
     return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
             for k, v in zip(keys, values, strict=True)]
 
 
 def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
-    """One (group, anchor cluster) per turn: identical raw observations (similarity 1), or the
-    group's first cluster whose first observation has difflib ratio ≥ similarity, else a new one."""
+    """(group, anchor cluster) per turn: its raw observation, or the first similar one (difflib)."""
     representatives: dict = defaultdict(list)  # group -> first observation of each cluster
     keys = []
     for ep in episodes:
@@ -468,15 +438,11 @@ def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
 
 def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_normalize: bool,
                      similarity: float = 1.0) -> list[list[float]]:
-    """A = A_E + ω·A_S per turn (r_t: the env's reward; p_t: an invalid turn's penalty, subtracted
-    from that turn's own scores after discounting, as verl-agent: it reaches no other turn):
+    """A = A_E + ω·A_S; p_t (an invalid turn's penalty) comes off its own scores after discounting:
     A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
-    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group (the task group's turns whose
-      raw observation is this turn's, or similar), G_t = Σ_{j≥t} γ^{j−t} r_j.
-    std_normalize: verl-agent's mean_std_norm exactly (episode_norm_reward with its default
-    compute_mean_std_cross_steps, step_norm_reward): each level (x − mean) / (std + 1e-6), mean and
-    unbiased std over its group's turns (episode level: the turn scores R_j − p_t, so a longer
-    trajectory weighs more in the mean, unlike the paper's); a group of one turn: 0 and 1."""
+    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group, G_t = Σ_{j≥t} γ^{j−t} r_j.
+    std_normalize: verl-agent's mean_std_norm, (x − mean) / (std + 1e-6) over the group's turns
+    (episode level: a longer trajectory weighs more, unlike the paper's trajectory mean)."""
     returns = [sum(t.reward for t in ep.turns) for ep in episodes]
     step_values, episode_values, episode_keys = [], [], []
     for r, ep in zip(returns, episodes, strict=True):
@@ -498,8 +464,7 @@ def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_no
 
 # Rollout: every episode of a batch advances one turn at a time; a turn is generated as one batch.
 def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attempt: int = 0) -> int:
-    """The sampling seed of one turn: of training step `step` (train), or of an evaluation after
-    `step` updates (−1: RFT's sampling); episode: its global id; attempt: TDS's resample number."""
+    """A turn's seed: train step `step`, or an eval after `step` updates (−1: RFT); TDS attempt."""
     step = step - 1 if train else step  # training keys on the step's 0-based index, as before
     key = [seed, step, int(train), episode, turn, attempt]
     return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
@@ -508,8 +473,7 @@ def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attemp
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *,
             step: int, train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
             keys: list[int] | None = None) -> tuple[list[Episode], dict]:
-    """(episodes, counters summed over turns). keys: a global id per episode (default 0..n−1)
-    keying its seeds: an episode draws the same tokens on whichever rank plays it."""
+    """(episodes, counters); keys: global episode ids, so an episode's seeds ignore the rank."""
     n, keys, stats = len(tasks), keys or list(range(len(tasks))), defaultdict(float)
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
         return [], stats
@@ -571,7 +535,6 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
 
 def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
                     gather: bool = False) -> dict:
-    """Rollout metrics; gather=True (training, under torchrun): over every rank's episodes."""
     rows = [(ep.won, ep.score, sum(t.reward - t.penalty for t in ep.turns)) for ep in episodes]
     if gather:  # every rank's rows; their counters summed in rank order
         parts = dist.all_gather_object((rows, dict(stats)))
@@ -594,8 +557,7 @@ def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
 
 def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int,
              stage: str = "", prefix: str = "eval/") -> dict:
-    """Held-out (or probe/) episodes, one per task; TTI on (it is part of inference), TDS off
-    (training). stage: its transcripts' name (base, cold_start, step_{n}, probe_step_{n}, rl)."""
+    """One held-out (or probe/) episode per task, TTI on, TDS off; stage: the transcripts' name."""
     t0 = time.time()
     episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args,
                               step=step, train=False, temperature=args.eval_temperature,
@@ -617,8 +579,7 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
 
 # Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
 def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
-    """Replay the environment's scripted expert (`env.expert_action()`, `env.expert_thought()` its
-    reason) as `<think>…</think><action>…</action>` turns with the prompts the policy sees."""
+    """Replay the env's scripted expert (expert_action, expert_thought) in the policy's prompts."""
     episodes = []
     for task in tasks:
         obs, info = env.reset(task)
@@ -641,14 +602,12 @@ def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
 
 
 def rft_keep(episodes: list[Episode]) -> list:
-    """RFT keeps the successful trajectories whose every turn is well formed: their turns."""
     return [t for ep in episodes if ep.won and all(t.valid for t in ep.turns) for t in ep.turns]
 
 
 def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
                       args: Args) -> tuple[list[bool], list[Turn]]:
-    """Rejection sampling from the policy: ranks split --cold-start-episodes; each keeps all ranks'
-    wins. Returns every episode's won, and the kept turns."""
+    """Rejection sampling: ranks split the episodes, each keeps all wins; (each won, kept turns)."""
     wins, turns, per_rank = [], [], args.group_size  # episodes per rank per round
     pool = EnvPool(args.env, per_rank, **options)
     for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
@@ -665,8 +624,7 @@ def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
 
 
 def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rng=None) -> dict:
-    """RFT: SFT on the turns of successful, well-formed trajectories of the env's scripted expert
-    (or of the policy): the mean NLL of the policy's tokens (TTI-forced tokens are masked)."""
+    """RFT: SFT (mean NLL, forced tokens masked) on the expert's or the policy's rft_keep turns."""
     t0 = time.time()
     rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
     has_expert = hasattr(env, "expert_action")  # build_envs checked it has expert_thought too
@@ -702,9 +660,8 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                   action_mask: torch.Tensor, clip_eps: float,
                   dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by the
-    minibatch's token count), and the number of clipped tokens. dual_clip c > 1 (Ye et al. 2020,
-    verl's actor): where A < 0 a token's loss is also capped at −c·A (a huge ratio is bounded)."""
+    """Σ_tokens −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by #tokens),
+    and the clipped-token count; dual_clip c > 1 (Ye et al. 2020, verl): for A < 0 at most −c·A."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     token_loss = -torch.minimum(unclipped, clipped)
@@ -715,8 +672,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(π_θ || π_ref), e^x − x − 1 with x = log π_ref − log π_θ,
-    clamped to [−10, 10] as verl's `low_var_kl` (the ALFWorld script's)."""
+    """Per-token k3 KL(π_θ || π_ref): e^x − x − 1, x = log π_ref − log π_θ; clamped ±10 (verl)."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
@@ -726,9 +682,8 @@ def turn_key(turn: Turn) -> tuple:
 
 
 def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
-    """The distinct turns (a repeated one runs once), prompt + response right-padded, on `device`:
-    input_ids and attention_mask (U, T); action_mask (U, T-1), 1 where target t+1 is a token the
-    policy sampled; rows (B,): the row of each of `turns`."""
+    """Distinct turns (a repeat runs once), prompt + response padded: input_ids, attention_mask
+    (U, T); action_mask (U, T-1), 1 where target t+1 was sampled; rows (B,): each turn's row."""
     keys = [turn_key(t) for t in turns]
     distinct = list(dict.fromkeys(keys))
     unique = [turns[keys.index(k)] for k in distinct]
@@ -748,9 +703,7 @@ def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
 
 def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                     share_prefixes: bool = True) -> torch.Tensor:
-    """(B, T-1) log-probs of each turn's action tokens under `model`, one row per turn of the batch
-    (0 elsewhere: the vocabulary projection runs on action tokens only). A prefix that turns share
-    (the system prompt, a group's task) runs once (--share-prefixes)."""
+    """(B, T-1) log-probs of the action tokens (0 elsewhere); shared prefixes run once if asked."""
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                           temperature=temperature, target_mask=batch["action_mask"],
                           share_prefixes=share_prefixes)  # (U, T-1)
@@ -759,10 +712,8 @@ def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
 
 def microbatches(turns: list[Turn], size: int, share_prefixes: bool = False
                  ) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of at most `size` distinct turns with every copy of each, as
-    many on every rank (dist.same_count): shortest first, or with --share-prefixes in token order,
-    so that turns sharing a prefix meet in one micro-batch. A rank with no turns runs a
-    placeholder of weight 0 whose one target token keeps the backward connected."""
+    """(turns, weight) micro-batches of ≤ size distinct turns and their copies, as many per rank
+    (a weight-0 placeholder keeps the backward connected), shortest first or in prefix order."""
     filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
     copies = defaultdict(list)
     for t in turns:
@@ -785,8 +736,7 @@ def sft_log_likelihood(policy, turns: list[Turn], share_prefixes: bool
 @torch.no_grad()
 def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
                     adapter_off: bool = False) -> None:
-    """Log-probs of every turn's tokens under `model` (π_old, or the reference), in turn.<key> as a
-    (len(ids) − 1,) tensor. adapter_off: the LoRA base model is the reference."""
+    """turn.<key> = its (len(ids) − 1,) log-probs under `model`; adapter_off: LoRA's base model."""
     for batch, _ in microbatches(turns, args.micro_batch_size, args.share_prefixes):
         with unwrap(model).disable_adapter() if adapter_off else nullcontext():
             logp = action_logprobs(model, build_batch(batch, next(model.parameters()).device),
@@ -810,13 +760,11 @@ def stacked(batch: list[Turn], key: str, width: int) -> torch.Tensor:
 
 def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Generator,
            reference=None) -> dict:
-    """One epoch over the turn samples, an optimizer step per minibatch, PPO-clip, token-mean.
-    Under torchrun `samples` are this rank's (whole groups): the minibatch count and each
-    token-mean's divisor are global, so a step is the same on 1 or 8 ranks."""
+    """One epoch of PPO-clip, an optimizer step per minibatch, token-mean; the minibatch count and
+    the token divisor are global (`samples` are this rank's), so 1 or 8 ranks take the same step."""
     n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
     parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # as many on every rank
-    # π_old: the policy that sampled the turns. The first minibatch trains on π_old itself (no
-    # dropout): its own forward, detached; the later ones' is computed now, before the first step.
+    # π_old: the first minibatch's is its own forward, detached (no dropout); the later ones' now.
     if n_minibatches > 1:
         policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
     if args.kl_coef > 0:
@@ -874,8 +822,7 @@ class Envs:
 
 
 def build_envs(args: Args) -> Envs:
-    """The environment, its tasks and the pools, before the model loads. Each rank plays whole
-    groups, its share of the step's (advantages stay rank-local); rank 0 the held-out tasks."""
+    """The env, tasks and pools, before the model loads: each rank whole groups; rank 0 held-out."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if hasattr(env, "expert_action") or (args.cold_start and args.cold_start_source == "expert"):
         require(env, "expert_action", "expert_thought", script="t2po.py", name=args.env,
@@ -902,9 +849,7 @@ def turn_prompts(env, tasks: list, args: Args) -> list[str]:
 
 
 def step_rng(seed: int, step: int) -> np.random.Generator:
-    """The randomness of training step `step` (the step-th update): from the seed and the step
-    alone, so that a resume continues exactly. The tasks are drawn with args.seed (the same on
-    every rank), the minibatch order with dist.rank_seed(args.seed)."""
+    """Step `step`'s randomness, from the seed and the step alone: a resume continues exactly."""
     return np.random.default_rng([seed, step - 1])  # keyed on the 0-based index, as before
 
 
