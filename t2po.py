@@ -5,6 +5,7 @@ previous turn's; RFT first. Read beside docs/t2po.md: the equations next to thei
 
     python t2po.py                                # CPU demo: RFT then RL on TextWorld
     python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
+    python t2po.py --no-tti --no-tds --step-advantage-weight 0   # trajectory-level GRPO (ω = 0)
     torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
 """
 
