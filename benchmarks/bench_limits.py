@@ -34,6 +34,7 @@ processed >= 0.9.
 """
 
 import json
+import os
 import shlex
 import statistics
 import time
@@ -82,7 +83,8 @@ def median_time(fn, repeats: int) -> float:
 def machine_limits(shape: str, bandwidth_mb: int, repeats: int = 10) -> dict:
     """GFLOP/s of one M x K x N matmul in fp32 and bf16, and GB/s of reading an fp32 tensor."""
     m, k, n = map(int, shape.split(","))
-    out = {"threads": torch.get_num_threads(), "native_bf16": list(run.native_bf16()), "peak_shape": shape}
+    out = {"threads": torch.get_num_threads(), "native_bf16": list(run.native_bf16()), "peak_shape": shape,
+           "load_average_1min": os.getloadavg()[0]}  # other jobs on the machine lower every rate
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         out[f"{name}_gflops"] = 2 * m * k * n / median_time(lambda: a @ b, repeats) / 1e9  # noqa: B023
@@ -261,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{', '.join(limits['native_bf16']) or 'none'}; matmul {limits['peak_shape']}: fp32 "
           f"{limits['fp32_gflops']:.1f}, bf16 {limits['bf16_gflops']:.1f} GFLOP/s; read bandwidth "
           f"{limits['bandwidth_gbs']:.1f} GB/s; N = {shape.n / 1e6:.1f}M weights without embeddings, "
-          f"{shape.weight_bytes / 1e6:.0f} MB of weights; medians of {args.repeats}")
+          f"{shape.weight_bytes / 1e6:.0f} MB of weights; medians of {args.repeats}; load average "
+          f"{limits['load_average_1min']:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(table(parts, limits, shape))
     result = {"args": vars(args), "limits": limits, "parts": parts, "n_nonembedding": shape.n}
     if args.json:
