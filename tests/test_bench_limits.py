@@ -1,0 +1,45 @@
+"""benchmarks/bench_limits.py: the distinct-prefix count, and one tiny step's table of parts."""
+
+import json
+
+from benchmarks import bench_limits
+
+
+def test_distinct_tokens_counts_each_prefix_once():
+    # prefixes: [1] [1 2] [1 2 3] [1 2 4] [5]; the repeated row and the shared [1 2] add nothing
+    assert bench_limits.distinct_tokens([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5]]) == 5
+    # the same token after different prefixes is a different prefix
+    assert bench_limits.distinct_tokens([[1, 3], [2, 3]]) == 4
+    assert bench_limits.distinct_tokens([]) == 0
+
+
+def test_a_tiny_step_reports_every_part(tmp_path, capsys):
+    out = tmp_path / "limits.json"
+    # one task, a group of 4 identical first prompts: the update's unpacked rows repeat the prompt
+    result = bench_limits.main([
+        "--model", "tiny-random", "--repeats", "1", "--threads", "1", "--peak-shape", "128,64,64",
+        "--bandwidth-mb", "8", "--json", str(out),
+        "--flags", "--tasks-per-step 1 --group-size 4 --max-new-tokens 6 --max-turns 1 --no-tds --no-tti"])
+    printed = capsys.readouterr().out
+    parts = result["parts"]
+    names = ["prefill (rollout, fp32)", "decode step (+ sampling)", "update, unpacked",
+             "update, shared prefixes"]
+    for name in names:
+        assert any(p.startswith(name) for p in parts), name
+        assert any(line.startswith(f"| {name}") for line in printed.splitlines()), name
+    assert any(p.startswith("decode forward (batch 4, cache ") for p in parts)
+    limits = result["limits"]
+    assert limits["fp32_gflops"] > 0 and limits["bf16_gflops"] > 0 and limits["bandwidth_gbs"] > 0
+    compute = {n: p for n, p in parts.items() if "gflops" in p}
+    assert len(compute) == 3
+    for p in compute.values():
+        assert 0 < p["distinct"] <= p["processed"] and p["seconds"] > 0 and p["gflops"] > 0
+    unpacked = next(p for n, p in parts.items() if n.startswith("update, unpacked"))
+    shared = next(p for n, p in parts.items() if n.startswith("update, shared"))
+    prefill = parts["prefill (rollout, fp32)"]
+    # 4 turn samples with one prompt: unpacked runs the prompt 4 times, packed once
+    assert unpacked["samples"] == 4 and unpacked["distinct"] < unpacked["processed"]
+    assert unpacked["distinct"] == shared["distinct"] == shared["processed"] < unpacked["processed"]
+    # the generator prefills the group's one prompt once: no repeat, but the first row counts all
+    assert prefill["calls"] == 1 and prefill["distinct"] == prefill["processed"] == prefill["real_tokens"]
+    assert json.loads(out.read_text())["parts"].keys() == parts.keys()
