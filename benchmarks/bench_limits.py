@@ -17,6 +17,8 @@ as a fraction of the measured peak (prefill and update: GFLOP/s of matmul; decod
    prefill: the rollout's prefill passes replayed (identical rows of a call deduplicated, left padding, as the
      generator does them; fp32, as t2po rolls out); processed = the positions they compute (padding too),
      distinct = the distinct prefixes of all their rows (prefix_forest's nodes: what a prefix cache computes).
+     With the prefix cache (t2po's --share-prefixes, the default) a pass behind reused KV computes only the
+     new tokens; it is timed as it ran in the rollout, not replayed. --flags --no-share-prefixes: without.
    decode: the rollout's own one-token passes; the forward's median time at their median batch and cache
      length, GB/s = the weights' bytes / that time; and the whole decode step (the generator's wall time
      less its prefills, per pass: sampling, entropies, stop checks too).
@@ -126,20 +128,29 @@ class Shape:
 def play_step(model, tokenizer, args) -> tuple[list, dict]:
     """t2po's rollout of step 1, every model forward recorded; its turn samples."""
     envs = t2po.build_envs(args)
-    generator = HFGenerator(model, tokenizer)
-    rec = {"prefill": [], "decode": [], "generate_s": 0.0, "prefill_s": 0.0}
-    forward, generate = model.forward, generator.generate
+    generator = HFGenerator(model, tokenizer, prefix_cache=args.share_prefixes)
+    rec = {"prefill": [], "decode": [], "generate_s": 0.0, "prefill_s": 0.0, "rows": None}
+    forward, generate, decode = model.forward, generator.generate, generator.decode
 
     def recorded_forward(*a, **kw):
         t = time.perf_counter()
         out = forward(*a, **kw)
         seconds, ids = time.perf_counter() - t, kw["input_ids"]
-        if ids.shape[1] > 1:  # a prefill: replayed later, its inputs kept
-            rec["prefill"].append({k: kw[k].clone() for k in ("input_ids", "attention_mask", "position_ids")})
+        if rec["rows"] is not None:  # a decode call's first pass: the prefill
+            cached = kw["past_key_values"] is not None  # behind KV an earlier call left: not replayed
+            rec["prefill"].append({"kw": None if cached else {k: kw[k].clone() for k in (
+                "input_ids", "attention_mask", "position_ids")}, "seconds": seconds,
+                "processed": ids.numel(), "keys": kw["attention_mask"].shape[1],
+                "rows": list(dict.fromkeys(map(tuple, rec["rows"])))})
             rec["prefill_s"] += seconds
+            rec["rows"] = None
         else:  # a decode pass: its time, batch and cache length
             rec["decode"].append((seconds, ids.shape[0], kw["attention_mask"].shape[1]))
         return out
+
+    def recorded_decode(rows, *a, **kw):
+        rec["rows"] = rows
+        return decode(rows, *a, **kw)
 
     def timed_generate(*a, **kw):
         t = time.perf_counter()
@@ -148,7 +159,7 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
         finally:
             rec["generate_s"] += time.perf_counter() - t
 
-    model.forward, generator.generate = recorded_forward, timed_generate
+    model.forward, generator.generate, generator.decode = recorded_forward, timed_generate, recorded_decode
     step = 1
     picks = t2po.step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step, replace=False)
     ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
@@ -165,21 +176,25 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
 
 
 def prefill_part(model, shape: Shape, rec: dict, repeats: int) -> dict:
+    """Prefills from scratch are replayed (medians); those behind reused KV (the prefix cache) count
+    their one time in the rollout: replaying them would mean keeping every call's cache."""
     calls = rec["prefill"]
+    fresh = [c["kw"] for c in calls if c["kw"] is not None]
 
     @torch.inference_mode()
     def replay():
-        for kw in calls:
+        for kw in fresh:
             model(**kw, use_cache=True, logits_to_keep=1)
 
-    rows = [ids[m.bool()].tolist() for kw in calls for ids, m in zip(kw["input_ids"], kw["attention_mask"],
-                                                                      strict=True)]
-    processed = sum(kw["input_ids"].numel() for kw in calls)
-    seconds = median_time(replay, repeats)
-    widths = [kw["input_ids"].shape[1] for kw in calls for _ in range(kw["input_ids"].shape[0])]
+    rows = [list(r) for c in calls for r in c["rows"]]  # the full rows (prompt so far) asked for
+    processed = sum(c["processed"] for c in calls)
+    seconds = (median_time(replay, repeats) if fresh else 0.0) + sum(
+        c["seconds"] for c in calls if c["kw"] is None)
+    attention = sum(2 * shape.attn * c["processed"] * c["keys"] for c in calls)  # queries x keys
     return {"processed": processed, "distinct": distinct_tokens(rows), "seconds": seconds,
-            "calls": len(calls), "real_tokens": sum(map(len, rows)),
-            "flops": shape.flops(2, processed, len(rows), widths)}
+            "calls": len(calls), "cached_calls": len(calls) - len(fresh),
+            "real_tokens": sum(map(len, rows)),
+            "flops": 2 * (shape.n * processed + shape.head * len(rows)) + 2 * attention}
 
 
 def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: int) -> dict:
@@ -245,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     model.eval()
     shape = Shape(model)
     samples, rec = play_step(model, tokenizer, step_args)
-    parts = {"prefill (rollout, fp32)": prefill_part(model, shape, rec, args.repeats)}
+    cache = "on" if step_args.share_prefixes else "off"
+    parts = {f"prefill (rollout, fp32; prefix cache {cache})": prefill_part(model, shape, rec, args.repeats)}
     times, batches, caches = zip(*rec["decode"], strict=True) if rec["decode"] else ((1.0,), (0,), (0,))
     forward_s = statistics.median(times)
     step_s = (rec["generate_s"] - rec["prefill_s"]) / max(1, len(rec["decode"]))

@@ -49,10 +49,11 @@ def vllm_installed() -> bool:
 
 
 def make_generator(backend: str, model, tokenizer, model_path: str | None = None,
-                   **engine_kwargs) -> Generator:
+                   share_prefixes: bool = False, **engine_kwargs) -> Generator:
     """backend "auto" | "hf" | "vllm"; auto = vLLM when it is installed and CUDA is available, else HF.
 
-    hf: generates with `model` itself (engine_kwargs: batch_size). vllm: starts an engine on `model_path`
+    hf: generates with `model` itself (engine_kwargs: batch_size); share_prefixes: reuse the KV of
+    earlier calls' sequences (`HFGenerator`'s prefix cache). vllm: starts an engine on `model_path`
     (a folder or hub id holding the base weights), then loads `model`'s current weights into it. A folder
     with a config and no weights (`random:<shape>`) starts the engine on vLLM's dummy weights, which the
     push then replaces: the colocated engine can be checked on a GPU without downloading anything.
@@ -60,7 +61,7 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
     if backend == "auto":
         backend = "vllm" if vllm_installed() and torch.cuda.is_available() else "hf"
     if backend == "hf":
-        return HFGenerator(model, tokenizer, **engine_kwargs)
+        return HFGenerator(model, tokenizer, prefix_cache=share_prefixes, **engine_kwargs)
     if backend == "vllm":
         if not vllm_installed():
             raise RuntimeError("the vllm backend needs vLLM: `pip install vllm` on a GPU machine, "
@@ -178,11 +179,13 @@ class HFGenerator:
     swaps the model).
     """
 
-    def __init__(self, model, tokenizer, batch_size: int | None = None):
+    def __init__(self, model, tokenizer, batch_size: int | None = None, prefix_cache: bool = False,
+                 prefix_cache_mb: int = 1024):
         from common.models import unwrap
 
         model = unwrap(model)  # generate with the bare model: no DDP hooks or compile guards
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache else None
         config = model.config
         self.max_len = getattr(config, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = eos_token_ids(tokenizer, getattr(model, "generation_config", None)) | eos_token_ids(
@@ -194,6 +197,8 @@ class HFGenerator:
         from common.models import unwrap
 
         self.model = unwrap(model)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def sleep(self) -> None:
         """Nothing to free: this backend decodes with the training model's own weights."""
@@ -211,6 +216,8 @@ class HFGenerator:
         bs = self.batch_size or len(rows)
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling
+        if self.prefix_cache is not None:  # KV of other weights is stale: an optimizer step bumps _version
+            self.prefix_cache.check_weights(self.model)
         try:
             samples = []
             for i in range(0, len(rows), bs):
@@ -229,19 +236,26 @@ class HFGenerator:
         # pass is most of a CPU rollout's time. Row b reads unique row `copy[b]`.
         unique = list(dict.fromkeys(map(tuple, rows)))
         copy = torch.tensor([unique.index(tuple(r)) for r in rows], device=device)  # (B,)
-        U, P = len(unique), max(len(r) for r in rows)
+        U = len(unique)
+        # Each unique row's longest prefix whose KV an earlier call left (0 without a prefix cache)
+        reused = self.prefix_cache.lookup(unique) if self.prefix_cache else [(0, None)] * U
+        C = max(c for c, _ in reused)  # cached columns: row b's c_b right-aligned, left-padded
+        P = max(len(r) - c for r, (c, _) in zip(unique, reused, strict=True))  # columns to prefill
         input_ids = torch.full((U, P), self.pad_id, dtype=torch.long)  # (U, P), left padded
-        attention_mask = torch.zeros((U, P), dtype=torch.long)  # (U, P)
-        for b, r in enumerate(unique):
-            input_ids[b, P - len(r):] = torch.tensor(r)
-            attention_mask[b, P - len(r):] = 1
+        attention_mask = torch.zeros((U, C + P), dtype=torch.long)  # (U, C + P)
+        position_ids = torch.zeros((U, P), dtype=torch.long)  # (U, P)
+        for b, (r, (c, _)) in enumerate(zip(unique, reused, strict=True)):
+            input_ids[b, P - (len(r) - c):] = torch.tensor(r[c:])
+            attention_mask[b, C - c:C] = 1
+            attention_mask[b, C + P - (len(r) - c):] = 1
+            position_ids[b, P - (len(r) - c):] = torch.arange(c, len(r))  # real tokens count from 0
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P): real tokens count from 0
+        position_ids = position_ids.to(device)
+        cache = self.prefix_cache.batch(reused, C, device) if C else None
         budget = [min(max_new_tokens, self.max_len - len(r)) for r in rows]
         window = max((len(s) for s in stop), default=0) + 8  # tokens to decode when looking for a stop string
         out = [Sample([], [], [], [] if logprobs_k else None, "length") for _ in rows]
         active = list(range(len(rows)))  # original row index of each row still in the batch
-        cache = None
         for t in range(max(budget)):
             o = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -281,6 +295,12 @@ class HFGenerator:
                     s.finish_reason, s.stop_string = "stop", hit
                 elif len(s.token_ids) < budget[r]:
                     keep.append(j)
+            if self.prefix_cache is not None:  # a finished row's KV: the prefix of a later call
+                kept = set(keep)
+                for j in (j for j in range(len(active)) if j not in kept):
+                    fed = int(attention_mask[j].sum()) - len(rows[active[j]])  # generated tokens fed
+                    self.prefix_cache.store(rows[active[j]] + out[active[j]].token_ids[:fed], cache, j,
+                                            attention_mask[j].bool())
             if not keep:
                 break
             if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
@@ -295,6 +315,68 @@ class HFGenerator:
         return out
 
 
+
+
+class PrefixCache:
+    """The KV of sequences that earlier `generate` calls fed the model, for later calls whose rows start
+    with them: T²PO's TTI continues each response in chunks (prompt + response so far), TDS resamples a
+    turn from its prompt, and a turn's prompt repeats the system prompt and task of the one before. A
+    row then prefills only what follows its longest cached prefix. Exact up to float rounding (KV made
+    by decode passes, not one prefill). Valid for one set of weights: `check_weights` empties it when a
+    parameter changed in place (an optimizer step); bounded to `max_bytes`, oldest first out."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.entries, self.version = max_bytes, [], None  # entries: (tokens, kv)
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def check_weights(self, model) -> None:
+        version = (id(model), sum(p._version for p in model.parameters()))
+        if version != self.version:
+            self.clear()
+            self.version = version
+
+    def lookup(self, rows: list[tuple[int, ...]]) -> list[tuple[int, torch.Tensor | None]]:
+        """Per row: (c, kv) with kv the (layers, 2, heads, c, dim) KV of row[:c]; c < len(row), so at
+        least the last token is fed (its logits sample the next one)."""
+        found = []
+        for row in rows:
+            best, kv = 0, None
+            r = torch.tensor(row)
+            for tokens, entry in self.entries:
+                n = min(len(tokens), len(row) - 1)
+                if n <= best:
+                    continue
+                differ = (tokens[:n] != r[:n]).nonzero()
+                c = int(differ[0]) if len(differ) else n
+                if c > best:
+                    best, kv = c, entry
+            found.append((best, kv[:, :, :, :best] if best else None))
+        return found
+
+    def batch(self, reused: list, columns: int, device):
+        """A cache of `columns` columns: row b's reused KV right-aligned (the mask hides the rest)."""
+        from transformers.cache_utils import DynamicCache
+
+        some = next(kv for c, kv in reused if c)
+        layers, _, heads, _, dim = some.shape
+        kv = some.new_zeros((layers, 2, len(reused), heads, columns, dim))  # (L, 2, U, H, C, D)
+        for b, (c, entry) in enumerate(reused):
+            if c:
+                kv[:, :, b, :, columns - c:] = entry
+        kv = kv.to(device)
+        return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(layers)])
+
+    def store(self, tokens: list[int], cache, row: int, kept_columns: torch.Tensor) -> None:
+        """Keep batch row `row` of `cache` (its `kept_columns`, the real tokens) as `tokens`' KV."""
+        kv = torch.stack([torch.stack([layer.keys[row][:, kept_columns], layer.values[row][:, kept_columns]])
+                          for layer in cache.layers])  # (L, 2, H, len(tokens), D)
+        self.entries.append((torch.tensor(tokens), kv))
+        size = sum(e.numel() * e.element_size() for _, e in self.entries)
+        while self.entries and size > self.max_bytes:
+            size -= self.entries[0][1].numel() * self.entries[0][1].element_size()
+            self.entries.pop(0)
 
 
 def topk_entropy(top_logprobs: list[float], vocab_size: int) -> float:

@@ -71,8 +71,9 @@ class RunArgs:
     max_grad_norm: float = opt("optimisation", 1.0, "gradient-norm clip", gt=0)
     micro_batch_size: int = opt("optimisation", 4, "sequences per forward/backward pass (memory only)", ge=1)
     share_prefixes: bool = opt("optimisation", True, "ours: compute once each prefix that sequences of a "
-                               "micro-batch share (a group's prompt, the system prompt), exact up to float "
-                               "rounding; --no-share-prefixes runs every sequence in full")
+                               "micro-batch share (a group's prompt, the system prompt), and in HF "
+                               "rollouts reuse the KV of what earlier calls fed (TTI's chunks, TDS's "
+                               "resamples); exact up to float rounding; --no-share-prefixes: all in full")
     steps: int = opt("run", 4, "RL iterations", ge=1)
     eval_every: int = opt("run", 0, "also evaluate held-out tasks every N steps (0: before and after only)",
                           ge=0)
@@ -216,7 +217,8 @@ def setup(args, desc: str) -> Run:
         model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
                                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                               gradient_checkpointing=args.gradient_checkpointing)
-        generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model))
+        generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model),
+                                   share_prefixes=args.share_prefixes)
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
         raise SystemExit(f"{script}: {e}") from None
     model.eval()  # no dropout: recomputed log-probs equal the sampler's policy

@@ -22,7 +22,7 @@ def test_a_tiny_step_reports_every_part(tmp_path, capsys):
         "--flags", "--tasks-per-step 1 --group-size 4 --max-new-tokens 6 --max-turns 1 --no-tds --no-tti"])
     printed = capsys.readouterr().out
     parts = result["parts"]
-    names = ["prefill (rollout, fp32)", "decode step (+ sampling)", "update, unpacked",
+    names = ["prefill (rollout, fp32", "decode step (+ sampling)", "update, unpacked",
              "update, shared prefixes"]
     for name in names:
         assert any(p.startswith(name) for p in parts), name
@@ -36,10 +36,26 @@ def test_a_tiny_step_reports_every_part(tmp_path, capsys):
         assert 0 < p["distinct"] <= p["processed"] and p["seconds"] > 0 and p["gflops"] > 0
     unpacked = next(p for n, p in parts.items() if n.startswith("update, unpacked"))
     shared = next(p for n, p in parts.items() if n.startswith("update, shared"))
-    prefill = parts["prefill (rollout, fp32)"]
+    prefill = next(p for n, p in parts.items() if n.startswith("prefill (rollout, fp32"))
     # 4 turn samples with one prompt: unpacked runs the prompt 4 times, packed once
     assert unpacked["samples"] == 4 and unpacked["distinct"] < unpacked["processed"]
     assert unpacked["distinct"] == shared["distinct"] == shared["processed"] < unpacked["processed"]
     # the generator prefills the group's one prompt once: no repeat, but the first row counts all
     assert prefill["calls"] == 1 and prefill["distinct"] == prefill["processed"] == prefill["real_tokens"]
     assert json.loads(out.read_text())["parts"].keys() == parts.keys()
+
+
+def test_with_tti_the_prefix_cache_prefills_each_chunk_behind_the_kv_before_it(capsys):
+    """TTI continues each response in chunks of --tti-chunk tokens: with the prefix cache every chunk
+    after the first feeds only what the cached KV lacks; without it each re-prefills its whole row."""
+    flags = ("--tasks-per-step 1 --group-size 2 --max-new-tokens 12 --tti-chunk 4 --tti-min-think 100 "
+             "--max-turns 1 --no-tds")
+    base = ["--model", "tiny-random", "--repeats", "1", "--threads", "1", "--peak-shape", "64,64,64",
+            "--bandwidth-mb", "8"]
+    with_cache = bench_limits.main([*base, "--flags", flags])["parts"]
+    without = bench_limits.main([*base, "--flags", flags + " --no-share-prefixes"])["parts"]
+    on = with_cache["prefill (rollout, fp32; prefix cache on)"]
+    off = without["prefill (rollout, fp32; prefix cache off)"]
+    assert on["calls"] == off["calls"] > 1 and on["cached_calls"] == on["calls"] - 1
+    assert off["cached_calls"] == 0
+    assert on["processed"] < off["processed"] and on["distinct"] == off["distinct"]

@@ -219,3 +219,64 @@ def test_generation_after_an_optimizer_step_reflects_the_update():
     expected = [greedy_by_hand(model, p, 6) for p in PROMPTS]
     assert [s[0].token_ids for s in after] == expected
     assert all(s[0].token_ids[0] != t for s, t in zip(after, first.tolist(), strict=True))  # it changed
+
+
+def test_prefix_cache_prefills_only_new_tokens_and_samples_as_without_it(policy):
+    """TTI's pattern: a second call continues each row from its first 6 tokens. With the prefix cache the
+    continuation feeds only the one token its KV lacks (the last sampled one is never fed); a row that
+    shares only 4 tokens with anything cached feeds the rest. Tokens equal the uncached generator's,
+    log-probs within float rounding."""
+    model, tokenizer = policy
+    plain, cached = HFGenerator(model, tokenizer), HFGenerator(model, tokenizer, prefix_cache=True)
+    first = cached.generate(PROMPTS, max_new_tokens=6, temperature=1.0, seeds=[5, 6])
+    assert first == plain.generate(PROMPTS, max_new_tokens=6, temperature=1.0, seeds=[5, 6])  # empty
+    rows = [p + s[0].token_ids for p, s in zip(PROMPTS, first, strict=True)]
+    rows.append(PROMPTS[1][:4] + [77, 78, 79])
+    calls = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: calls.append((tuple(kw["input_ids"].shape),
+                                          int(kw["attention_mask"].shape[1]))), with_kwargs=True)
+    try:
+        again = cached.generate(rows, max_new_tokens=5, temperature=1.0, seeds=[5, 6, 7], logprobs_k=3)
+    finally:
+        hook.remove()
+    # one prefill of 3 rows: 3 columns (the third row's 7 - 4), behind 4 + 6 + 6 - 1 = 15 cached ones
+    assert calls[0] == ((3, 3), len(PROMPTS[1]) + 5 + 3)
+    assert all(shape[1] == 1 for shape, _ in calls[1:])  # then one token a pass
+    expected = plain.generate(rows, max_new_tokens=5, temperature=1.0, seeds=[5, 6, 7], logprobs_k=3)
+    for a, b in zip(again, expected, strict=True):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4,
+                                   rtol=0)
+        torch.testing.assert_close(torch.tensor(a[0].top_logprobs), torch.tensor(b[0].top_logprobs),
+                                   atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_is_emptied_when_the_weights_change():
+    """KV from other weights is stale: after an in-place change to a parameter (what an optimizer step
+    does), with no update_weights call, the next call prefills in full and follows the new weights."""
+    model, tokenizer = load_policy(TINY_MODEL)
+    cached = HFGenerator(model, tokenizer, prefix_cache=True)
+    out = cached.generate(PROMPTS, max_new_tokens=4, temperature=0.0)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    rows = [p + s[0].token_ids for p, s in zip(PROMPTS, out, strict=True)]
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        after = cached.generate(rows, max_new_tokens=4, temperature=0.0)
+    finally:
+        hook.remove()
+    assert widths[0] == max(map(len, rows))  # everything prefilled again
+    assert [s[0].token_ids for s in after] == [greedy_by_hand(model, r, 4) for r in rows]
+
+
+def test_prefix_cache_keeps_to_its_memory_bound(policy):
+    model, tokenizer = policy
+    cached = HFGenerator(model, tokenizer, prefix_cache=True, prefix_cache_mb=1)
+    for seed in range(6):
+        cached.generate(PROMPTS, n=4, max_new_tokens=12, temperature=1.0, seeds=[seed, seed + 50])
+    entries = cached.prefix_cache.entries
+    assert 0 < sum(kv.numel() * kv.element_size() for _, kv in entries) <= 1 << 20
+    assert all(kv.shape[3] == len(tokens) for tokens, kv in entries)  # one KV column per token
