@@ -1,28 +1,24 @@
 """T²PO, Token- and Turn-level Policy Optimization (ICML 2026, arXiv 2605.02178): GiGPO (verl-agent)
 plus TTI, which forces `</think>\\n<action>` once the thinking's uncertainty M_t has flattened out,
 and TDS (training only), which resamples a turn whose uncertainty Φ_k barely differs from the
-previous turn's; RFT first. Read beside docs/t2po.md: the equations next to their lines, more runs.
-
-    python t2po.py                                # CPU demo: RFT then RL on TextWorld
-    python t2po.py --no-tti --no-tds              # the GiGPO baseline, same budget
-    python t2po.py --no-tti --no-tds --step-advantage-weight 0   # trajectory-level GRPO (ω = 0)
-    torchrun --nproc-per-node 8 t2po.py --env webshop --model Qwen/Qwen3-4B   # the paper's setting
+previous turn's; RFT first. `--no-tti --no-tds`: GiGPO; and `--step-advantage-weight 0`: GRPO.
+Read beside docs/t2po.md: the equations next to their lines, the commands, the runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import re
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from common import cli, dist, run
 from common.cli import opt
@@ -39,9 +35,8 @@ Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfwor
 class Args(RunArgs):
     """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
-    preset: Preset = opt("run", "auto", "fills every flag not given (PRESETS). Ours (CPU): "
-                         "textworld, webshop-lite; the paper's: webshop, alfworld, search, RFT "
-                         "off, NOT from the paper's RFT checkpoints: pass one as --model")
+    preset: Preset = opt("run", "auto", "fills each flag not given (PRESETS): ours (CPU) textworld,"
+                         " webshop-lite; the paper's webshop, alfworld, search (RFT: --model)")
     # the shared flags (common/run.py) where T²PO's default differs
     steps: int = 3
     tasks_per_step: int = 1  # paper 16
@@ -95,8 +90,8 @@ class Args(RunArgs):
         "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
         "it has one (auto), else rejection sampling from the policy (sample)")
     expert_thoughts: Literal["short", "long"] = opt(
-        "cold start", "short", "the expert's thoughts in RFT (ours): one short reason; long "
-        "(TextWorld): ~40 tokens for TTI to cut (needs --max-new-tokens 96)")
+        "cold start", "short", "RFT's expert thoughts (ours): one short reason, or TextWorld's ~40 "
+        "tokens for TTI to cut (long; needs --max-new-tokens 96)")
 
 
 # The paper's (examples/*_trainer/train_*.sh: webshop validates on 2 x 128 tasks; 200 epochs of 16
@@ -138,8 +133,7 @@ def check_args(args: Args) -> None:
     if 0 < args.dual_clip <= 1:
         raise cli.bad_flag("t2po.py", "dual_clip", args.dual_clip, "must be > 1 (or 0 = off)")
     if not (args.base_eval or args.cold_start):
-        raise SystemExit("t2po.py: --no-base-eval needs the cold start: else nothing is "
-                         "evaluated before RL")
+        raise SystemExit("t2po.py: --no-base-eval needs the cold start (else nothing precedes RL)")
     if args.expert_thoughts == "long" and args.env != "textworld":
         raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts "
                            f"quote TextWorld's task sentences, which --env {args.env!r} lacks")
@@ -195,7 +189,6 @@ class Response:  # one generated response (generate_turn), before it becomes a T
     finished: bool = False  # the action is written (generate_turn's phase 1 needs no phase 2)
 
 
-# Prompting: task, last P turns, current observation, admissible actions.
 TURN_TEMPLATE = ("Task: {task}\n{history}Step {step}. Observation: {observation}\n"
                  "Admissible actions: [{actions}].\nReason step by step inside <think> </think>, "
                  "then give one admissible action inside <action> </action>.")
@@ -276,8 +269,8 @@ FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<actio
 
 def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: int, epsilon: float,
                    start: int = 0) -> int | None:
-    """First thinking token t ≥ start (0-based) after which TTI forces the action, or None: when
-    t+1 ≥ L_min and the mean of Δ_s = |M_s − M_{s−1}| over s = t−N..t is < ε, or at t+1 = L_max."""
+    """First thinking token t ≥ start that TTI cuts after (None: none): t+1 ≥ L_min and the mean
+    of Δ_s = |M_s − M_{s−1}| over s = t−N..t < ε, or t+1 = L_max."""
     for t in range(start, len(m)):
         if t + 1 >= max_think:
             return t
@@ -291,8 +284,7 @@ def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: in
 def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[int], args: Args, *,
                   temperature: float, top_p: float = 1.0, top_k: int = 0,
                   tti: bool) -> list[Response]:
-    """One response per prompt. With TTI: the thinking in chunks, each cut where the causal rule
-    fires, then FORCED_TEXT and the action; seeds keyed on position: an online logits processor."""
+    """One response per prompt; TTI: thinking in chunks, cut where the rule fires, FORCED_TEXT."""
     budget = args.max_new_tokens
     max_think = args.tti_max_think or budget - min(32, budget // 2)  # leave room for the action
     gen_kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs_k=args.top_j)
@@ -354,10 +346,9 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
                                      **gen_kwargs)
         for i, [sample] in zip(acting, samples, strict=True):
             extend(outs[i], sample, min(len(sample.token_ids), budget - len(outs[i].ids)))
-    if not tti:
-        for out in outs:
-            end = first_prefix_containing(tokenizer, out.ids, "</think>")
-            out.think_tokens = (end - 1) if end is not None else len(out.ids)
+            if not tti:  # every response comes here: where its thinking ended
+                end = first_prefix_containing(tokenizer, outs[i].ids, "</think>")
+                outs[i].think_tokens = (end - 1) if end is not None else len(outs[i].ids)
     return outs
 
 
@@ -376,16 +367,12 @@ def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]
     return turn_signal(m[:split]), turn_signal(m[split:])
 
 
-def tds_should_resample(phi: float, phi_prev: float | None, eta: float) -> bool:
+def tds_should_resample(prev: Response | None, cur: Response, args: Args) -> bool:
     """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0."""
-    return phi_prev is not None and 0 < abs(phi - phi_prev) < eta
-
-
-def tds_redo(prev: Response | None, cur: Response, args: Args) -> bool:
     if prev is None:
         return False
     phi_prev, phi = tds_phis(prev, cur, args.alpha)
-    return tds_should_resample(phi, phi_prev, args.tds_eta)
+    return 0 < abs(phi - phi_prev) < args.tds_eta
 
 
 # GiGPO advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
@@ -398,8 +385,7 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 
 
 def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> dict:
-    """key -> (mean, std) of its values, std unbiased as torch.std. A group of one: mean 0 and std 1
-    (episode level, as verl-agent) or itself (step level: no comparison, advantage 0)."""
+    """key -> (mean, unbiased std); a lone value: (0, 1) at episode level (verl-agent), or itself"""
     groups: dict = defaultdict(list)
     for k, v in zip(keys, values, strict=True):
         groups[k].append(v)
@@ -466,8 +452,7 @@ def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_no
 # Rollout: every episode of a batch advances one turn at a time; a turn is generated as one batch.
 def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attempt: int = 0) -> int:
     """A turn's seed: train step `step`, or an eval after `step` updates (−1: RFT); TDS attempt."""
-    step = step - 1 if train else step  # training keys on the step's 0-based index, as before
-    key = [seed, step, int(train), episode, turn, attempt]
+    key = [seed, step - 1 if train else step, int(train), episode, turn, attempt]  # train: 0-based
     return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
 
 
@@ -497,7 +482,8 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         resamples = [0] * len(active)
         if train and args.tds:  # TDS: same prompt, fresh seed, at most B_max times
             for attempt in range(1, args.tds_max_try + 1):
-                redo = [j for j, i in enumerate(active) if tds_redo(prev_out[i], outs[j], args)]
+                redo = [j for j, i in enumerate(active)
+                        if tds_should_resample(prev_out[i], outs[j], args)]
                 if not redo:
                     break
                 redo_seeds = [turn_seed(args.seed, step, True, keys[active[j]], k, attempt)
@@ -571,9 +557,8 @@ def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step:
                 t.response_ids), action=t.action, observation=t.observation, reward=t.reward,
                 valid=t.valid) for t in ep.turns]) for ep in episodes])
         who = "held-out" if prefix == "eval/" else prefix[:-1]
-        run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  "
-                f"score {m[prefix + 'score']:.3f}  "
-                f"tokens/turn {m[prefix + 'tokens_per_turn']:.1f}  "
+        run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  score "
+                f"{m[prefix + 'score']:.3f}  tokens/turn {m[prefix + 'tokens_per_turn']:.1f}  "
                 f"invalid {m[prefix + 'format_error_rate']:.2f}")
     return m
 
@@ -657,7 +642,6 @@ def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rn
             "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
 
 
-# Loss and update: PPO clip, token-mean over the minibatch, optional low-var KL.
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                   action_mask: torch.Tensor, clip_eps: float,
                   dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -690,11 +674,8 @@ def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
     unique = [turns[keys.index(k)] for k in distinct]
     seqs = [t.prompt_ids + t.response_ids for t in unique]
     masks = [[0] * len(t.prompt_ids) + t.action_mask for t in unique]
-    width = max(len(s) for s in seqs)
-
-    def pad(rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:  # (U, T)
-        return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=dtype,
-                            device=device)
+    pad = lambda rows, dtype: pad_sequence([torch.tensor(r, dtype=dtype) for r in rows],
+                                           batch_first=True).to(device)  # (U, T), zeros after
 
     return {"input_ids": pad(seqs, torch.long),
             "attention_mask": pad([[1] * len(s) for s in seqs], torch.long),
@@ -713,14 +694,13 @@ def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
 
 def microbatches(turns: list[Turn], size: int, share_prefixes: bool = False
                  ) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of ≤ size distinct turns and their copies, as many per rank
-    (a weight-0 placeholder keeps the backward connected), shortest first or in prefix order."""
-    filler = turns[:1] or [Turn(prompt_ids=[0], response_ids=[0], action_mask=[1])]
+    """(turns, weight) micro-batches of ≤ size distinct turns and their copies, as many per rank."""
+    filler = turns[:1] or [Turn([0], [0], [1])]  # weight 0: keeps every rank's backward connected
     copies = defaultdict(list)
     for t in turns:
         copies[turn_key(t)].append(t)
     length = lambda k: len(k[0]) + len(k[1])
-    distinct = sorted(copies) if share_prefixes else sorted(copies, key=length)
+    distinct = sorted(copies) if share_prefixes else sorted(copies, key=length)  # prefix order
     return dist.same_count([[t for k in distinct[b:b + size] for t in copies[k]]
                             for b in range(0, len(distinct), size)], filler)
 
@@ -748,15 +728,13 @@ def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
 
 def turn_samples(episodes: list[Episode], advantages: list[list[float]]) -> list[Turn]:
     """One training sample per turn with a policy token: a copy with its advantage."""
-    return [dataclasses.replace(turn, advantage=a)
+    return [replace(turn, advantage=a)
             for ep, adv in zip(episodes, advantages, strict=True)
             for turn, a in zip(ep.turns, adv, strict=True) if sum(turn.action_mask) > 0]
 
 
-def stacked(batch: list[Turn], key: str, width: int) -> torch.Tensor:
-    rows = [torch.nn.functional.pad(getattr(t, key), (0, width - len(getattr(t, key))))
-            for t in batch]
-    return torch.stack(rows)  # (B, T-1)
+def stacked(turns: list[Turn], key: str) -> torch.Tensor:
+    return pad_sequence([getattr(t, key) for t in turns], batch_first=True)  # (B, T-1) as logp
 
 
 def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Generator,
@@ -784,13 +762,12 @@ def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Ge
             logp = action_logprobs(policy, batch, args.temperature, args.share_prefixes)
             # weight 0: a placeholder (no stored log-probs), zero loss and gradient
             action_mask = batch["action_mask"][batch["rows"]] * weight  # (B, T-1)
-            width = logp.shape[1]
-            old = stacked(turns, "old_logp", width) if index > 0 and weight else logp.detach()
+            old = stacked(turns, "old_logp") if index > 0 and weight else logp.detach()
             adv = torch.tensor([s.advantage for s in turns], device=logp.device)[:, None]  # (B, 1)
             loss, n_clipped = ppo_clip_loss(logp, old, adv, action_mask, args.clip_eps,
                                             args.dual_clip)
             if args.kl_coef > 0:  # token-mean of the per-token KL estimate
-                ref = stacked(turns, "ref_logp", width) if weight else logp.detach()
+                ref = stacked(turns, "ref_logp") if weight else logp.detach()
                 kl = (low_var_kl(logp, ref) * action_mask).sum()
                 loss = loss + args.kl_coef * kl
                 totals["kl"] += kl.item()
@@ -809,7 +786,6 @@ def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Ge
     return {**out, "kl": kl / tokens} if args.kl_coef > 0 else out
 
 
-# The run: environments, one training step, main.
 @dataclass
 class Envs:
     env: object  # the environment itself: the scripted expert, --dry-run's prompts

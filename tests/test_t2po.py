@@ -82,12 +82,18 @@ def test_turn_signal_is_a_geometric_mean():
     assert t2po.turn_signal([0.0, 0.0]) == 0.0 and t2po.turn_signal([]) == 0.0
 
 
-def test_tds_resamples_only_when_the_change_is_small_and_nonzero():
-    assert not t2po.tds_should_resample(0.5, None, eta=0.3)  # first turn: k = 0
-    assert t2po.tds_should_resample(0.5, 0.6, eta=0.3)  # |0.5 - 0.6| = 0.1 < 0.3
-    assert not t2po.tds_should_resample(0.5, 0.9, eta=0.3)  # 0.4 >= 0.3
-    assert not t2po.tds_should_resample(0.5, 0.8, eta=0.3)  # 0.3 is not < 0.3
-    assert not t2po.tds_should_resample(0.5, 0.5, eta=0.3)  # exactly 0: skipped, as the official code
+def test_tds_resamples_only_when_the_change_is_small_and_nonzero(monkeypatch):
+    args, prev, cur = t2po.Args(tds_eta=0.3), t2po.Response(), t2po.Response()
+
+    def resample(phi, phi_prev):  # Γ_k from these (Φ_{k-1}, Φ_k), whatever the responses
+        monkeypatch.setattr(t2po, "tds_phis", lambda p, c, alpha: (phi_prev, phi))
+        return t2po.tds_should_resample(prev, cur, args)
+
+    assert not t2po.tds_should_resample(None, cur, args)  # first turn: k = 0
+    assert resample(0.5, 0.6)  # |0.5 - 0.6| = 0.1 < 0.3
+    assert not resample(0.5, 0.9)  # 0.4 >= 0.3
+    assert not resample(0.5, 0.8)  # 0.3 is not < 0.3
+    assert not resample(0.5, 0.5)  # exactly 0: skipped, as the official code
 
 
 # ---- format -------------------------------------------------------------------------------------------
@@ -972,7 +978,7 @@ def test_tds_phi_does_not_depend_on_turn_length():
         # the anchor's 0 is left out: Φ_k = .5 at every length (a 1e-6 floor gave 1e-6^(1/T)·.5^((T-1)/T):
         # .125, .316, .478 at T = 10, 30, 300)
         assert (phi_prev, phi) == pytest.approx((0.574349, 0.5), abs=1e-6)
-        assert t2po.tds_redo(prev, _turn([a] + [c] * (length - 1)), t2po.Args(tds_eta=0.3))  # Γ = .074
+        assert t2po.tds_should_resample(prev, _turn([a] + [c] * (length - 1)), t2po.Args(tds_eta=0.3))  # Γ = .074
 
 
 def test_tds_phi_separates_a_confident_turn_from_an_uncertain_one():
@@ -983,8 +989,8 @@ def test_tds_phi_separates_a_confident_turn_from_an_uncertain_one():
     #   -> Φ = sqrt(.894444) = .945751
     assert t2po.tds_phis(confident, uncertain, 0.5) == pytest.approx((0.105556, 0.945751), abs=1e-6)
     # Γ = .84 > η: kept. Normalised per turn, as before, both turns were (0, 1) -> the same Φ, Γ = 0.
-    assert not t2po.tds_redo(confident, uncertain, t2po.Args(tds_eta=0.3))
-    assert not t2po.tds_redo(None, uncertain, t2po.Args(tds_eta=0.3))  # k = 0
+    assert not t2po.tds_should_resample(confident, uncertain, t2po.Args(tds_eta=0.3))
+    assert not t2po.tds_should_resample(None, uncertain, t2po.Args(tds_eta=0.3))  # k = 0
 
 
 # ---- dual-clip, RFT mask (issue 14.6) --------------------------------------------------------------------

@@ -90,7 +90,7 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
     t2po.cold_start(r, env, options, train_tasks, args, rng)  # RFT as main() runs it for the default run
 
     records = []
-    decide = t2po.tds_redo
+    decide = t2po.tds_should_resample
 
     def recording_redo(prev, cur, a):  # B_max 1: called once per turn k > 0, on its first sample
         if prev is not None:
@@ -102,13 +102,13 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
                                 cur=dict(entropies=cur.entropies, confidences=cur.confidences)))
         return decide(prev, cur, a)
 
-    t2po.tds_redo = recording_redo
+    t2po.tds_should_resample = recording_redo
     tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), n_tasks, replace=False)]
     episodes = [t for t in tasks for _ in range(group_size)]
     pool = EnvPool(args.env, len(episodes), **options)
     t2po.rollout(generator, tokenizer, pool, episodes, [i // group_size for i in range(len(episodes))], args,
                  step=1, train=True, temperature=args.temperature)  # the first RL step
-    t2po.tds_redo = decide
+    t2po.tds_should_resample = decide
     return dict(eta=args.tds_eta, records=records)
 
 
