@@ -978,7 +978,8 @@ def test_tds_phi_does_not_depend_on_turn_length():
         # the anchor's 0 is left out: Φ_k = .5 at every length (a 1e-6 floor gave 1e-6^(1/T)·.5^((T-1)/T):
         # .125, .316, .478 at T = 10, 30, 300)
         assert (phi_prev, phi) == pytest.approx((0.574349, 0.5), abs=1e-6)
-        assert t2po.tds_should_resample(prev, _turn([a] + [c] * (length - 1)), t2po.Args(tds_eta=0.3))  # Γ = .074
+        cur = _turn([a] + [c] * (length - 1))
+        assert t2po.tds_should_resample(prev, cur, t2po.Args(tds_eta=0.3))  # Γ = .074
 
 
 def test_tds_phi_separates_a_confident_turn_from_an_uncertain_one():
