@@ -199,8 +199,13 @@ def drop_privileges():
 ETC = ["/etc/localtime", "/etc/timezone", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
        "/etc/os-release", "/etc/mime.types", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts",
        "/etc/ssl", "/etc/ca-certificates", "/etc/fonts", "/etc/matplotlibrc", "/etc/alternatives"]
-SYSTEM = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc/self", "/proc/cpuinfo", "/proc/meminfo",
-          "/proc/stat", "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"] + ETC
+# of /proc/self not net (without a network namespace: the host's sockets) nor task (task/N/net);
+# not /proc/stat (its fork counter: a channel from one call to the next)
+PROC_SELF = ["/proc/self/" + name for name in ("fd", "fdinfo", "status", "stat", "statm", "maps", "smaps",
+                                               "cmdline", "exe", "environ", "limits", "auxv", "comm",
+                                               "cgroup", "mounts", "mountinfo", "io")]
+SYSTEM = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc/cpuinfo", "/proc/meminfo",
+          "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"] + PROC_SELF + ETC
 
 def landlock():
     # reads: the python installation and system files; writes: the working dir and /dev/null
@@ -276,14 +281,27 @@ def seccomp():
     denied += [76] if cfg["landlock"] < 3 else []  # truncate(path): Landlock covers it from ABI 3
     if not cfg["mounts"]:  # C: no read-only mounts, and Landlock has no right for chmod, chown, file times
         denied += [90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280]
-        # sendmsg, sendmmsg: fds in flight (SCM_RIGHTS) would hide files from the disk count
-        denied += [46, 307]
+        # no network namespace: bind would take an abstract unix name from the host (Landlock scopes
+        # connect only); sendmsg, sendmmsg: fds in flight (SCM_RIGHTS) would hide files from the disk count
+        denied += [49, 46, 307]
+        # no folder the runner cannot read (it counts the disk by walking): mkdir needs rwx for the owner,
+        # umask may not take them away (chmod is refused above)
+        prog += only(83, arg(1), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
+        prog += only(258, arg(2), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
+        prog += only(95, arg(0), jset(0o700, 1, 0), ret(ALLOW), ret(DENY))
     for nr in denied:
         prog += only(nr, ret(DENY))
     # fcntl: no record locks or leases (the flock channel again), no signal owner (F_SETOWN + F_SETSIG
-    # would send SIGKILL on I/O to any process of the same uid; Landlock scopes signals from ABI 6 only)
-    prog += refuse(72, 1, (6, 7, 37, 38, 1024, 8, 10, 15, 1026))
-    prog += refuse(16, 1, (0x8901, 0x8902))  # ioctl FIOSETOWN, SIOCSPGRP: F_SETOWN's other spellings
+    # would send SIGKILL on I/O to any process of the same uid; Landlock scopes signals from ABI 6 only),
+    # no F_GETLK / F_OFD_GETLK (they name the host process that holds a lock on a readable file)
+    prog += refuse(72, 1, (6, 7, 37, 38, 1024, 8, 10, 15, 1026, 5, 36))
+    # ioctl: FIOSETOWN, SIOCSPGRP (F_SETOWN's other spellings); file flags and attributes (NODUMP,
+    # NOATIME, SYNC, project ids: FS_IOC_SETFLAGS, its 32-bit form, FS_IOC_FSSETXATTR, FS_IOC_SETVERSION)
+    # of any file the code owns -- Landlock's ioctl right covers devices only
+    prog += refuse(16, 1, (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602))
+    # page cache of host files: fadvise DONTNEED, madvise COLD and PAGEOUT evict what others read
+    prog += refuse(221, 3, (4,))
+    prog += refuse(28, 2, (20, 21))
     # fallocate reserves disk without writing: "not supported" makes libc's posix_fallocate write instead
     prog += only(285, ret(0x50000 | 95))
     prog.append(ret(ALLOW))
@@ -316,7 +334,7 @@ def disk_over(pid):
                         todo.append(e.path)
         except FileNotFoundError:
             pass
-        except OSError:  # unreadable or past PATH_MAX: not measurable, the call is stopped
+        except OSError:  # unreadable (seccomp keeps the owner's rwx) or past PATH_MAX: not measurable
             return True
         if used > limit or entries > cfg["max_files"]:
             return True

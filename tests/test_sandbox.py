@@ -433,6 +433,18 @@ def cases(spec):
         # (B) the top folder closed: the trainer's clean-up could not empty it
         "chmod_top": ("top = os.getcwd()\nprint(top)\nfor i in range(7):\n"
                       "    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\nos.chmod('.', 0)", {}, "all"),
+        # (C) no network namespace: an abstract unix name held (a host process's bind fails)
+        "abstract_bind": ("import socket\na, b = socket.socketpair()\ntry:\n"
+                          f"    a.bind(b'\\0sandbox-{mark}')\n    print('ESCAPE bound an abstract name')\n"
+                          "except OSError:\n    pass", {}, "flat"),
+        # file flags (NODUMP, NOATIME, SYNC) by ioctl: Landlock's ioctl right covers devices only
+        "setflags": ("import fcntl\nfd = os.open('f', os.O_CREAT | os.O_RDWR)\n"
+                     "for n, cmd, arg in (('SETFLAGS', 0x40086602, struct.pack('l', 0x40)),\n"
+                     "                    ('SETFLAGS32', 0x40046602, struct.pack('i', 0x40)),\n"
+                     "                    ('FSSETXATTR', 0x401c5820, bytes(28))):\n"
+                     "    for f in (fd, 1):\n        try:\n            fcntl.ioctl(f, cmd, arg)\n"
+                     "            print('ESCAPE', n, f)\n        except OSError:\n            pass",
+                     {}, "all"),
         # the runner's disk walk chmod'ed folders by path (a rename away from a host folder)
         "walk_chmod": ("import stat\nos.mkdir('x', 0)\ntime.sleep(0.3)\n"
                        "if stat.S_IMODE(os.stat('x').st_mode):\n"
@@ -451,6 +463,24 @@ def cases(spec):
                         "time.sleep(0.3)\n"
                         "print('ESCAPE held', total >> 20, 'MB') if total > 64 << 20 else None",
                         {"timeout_s": 5, "cpu_s": 4}, "all"),
+        # /proc/stat's fork counter (threads count): 8 bits from one call to the next
+        "proc_stat": ("try:\n    open('/proc/stat').read()\n    print('ESCAPE /proc/stat')\n"
+                      "except OSError:\n    pass", {}, "all"),
+        # (C) /proc/self/net is the host's: its listeners
+        "proc_net": ("for f in ('unix', 'tcp', 'tcp6', 'udp'):\n    try:\n"
+                     "        t = open('/proc/self/net/' + f).read()\n    except OSError:\n"
+                     f"        continue\n    if {sock!r} in t or ' 0A ' in t:\n"
+                     "        print('ESCAPE host listeners in', f)", {}, "all"),
+        # F_GETLK names a lock holder (the trainer holds a read lock on a stdlib file)
+        "getlk": ("import fcntl\nf = open(os.__file__)\n"
+                  "q = struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 0, 0)\ntry:\n"
+                  "    t = struct.unpack('hhqqi4x', fcntl.fcntl(f, fcntl.F_GETLK, q))\n"
+                  "    print('ESCAPE lock of pid', t[4]) if t[0] != fcntl.F_UNLCK else None\n"
+                  "except OSError:\n    pass", {}, "all"),
+        # page-cache eviction of a host file
+        "fadvise": ("fd = os.open(os.__file__, os.O_RDONLY)\ntry:\n"
+                    "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n    print('ESCAPE fadvise')\n"
+                    "except OSError:\n    pass", {}, "all"),
         # fds the runner opened (O_PATH to the python installation under a hidden folder...) inherited
         "inherited_fds": ("for n in sorted(os.listdir('/proc/self/fd'), key=int)[3:]:\n    try:\n"
                           "        p = os.readlink('/proc/self/fd/' + n)\n    except OSError:\n"
@@ -698,12 +728,13 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "fork_exec_guard", "fork", "kill_trainer", "trainer_environ", "renice_trainer", "setsid_outlives",
          "deep_tree", "unix_socket", "memory_fork", "memory_threads", "sigkill", "host_metadata",
          "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd", "fallocate", "disk_fill", "threads",
-         "flock_host", "dev_pts", "stdout_file", "chmod_top", "walk_chmod", "hidden_disk", "inherited_fds",
-         "forge_200", "forge_152", "forge_137"]
+         "flock_host", "dev_pts", "stdout_file", "chmod_top", "abstract_bind", "setflags", "walk_chmod",
+         "hidden_disk", "proc_stat", "proc_net", "getlk", "fadvise", "inherited_fds", "forge_200",
+         "forge_152", "forge_137"]
 
 
 MOUNT_CASES = ("umount_home", "remount_rw")  # they try to undo the sandbox's mounts: set-up C has none
-FLAT_CASES = ()  # harmless inside a network namespace: run in set-up C only
+FLAT_CASES = ("abstract_bind",)  # harmless inside a network namespace: run in set-up C only
 
 
 # As root the trainer's own set-up C is C-root when a spare uid reaches its interpreter, else refused
