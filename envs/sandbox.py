@@ -3,15 +3,23 @@
 Every call runs in its own process:
 
     trainer thread ──► unshare (net, pid, mount, ipc namespaces; root or a user namespace)
-                         └─► runner (pid 1 of the new pid namespace: mounts, then reaps)
+                         └─► runner (pid 1 of the pid namespace: mounts, watches, stops, reaps, reports)
                                └─► child: rlimits, privileges dropped, chdir(fresh temp dir), Landlock,
                                    seccomp, python-level guard, exec(code) with the last expression printed
+The code's stdout and stderr are a pipe the trainer reads (a file would be the code's own, to chmod);
+the trainer stops a call by closing the runner's stdin, and the runner kills and reaps the code, so no
+process is left a zombie even where the trainer is PID 1 (Docker without --init). Verdicts come from
+the trainer's own timer and byte count and from the runner (the code's exit status or signal, its CPU
+time, the disk), on a pipe of the runner's the code does not hold: no exit status the code picks reads
+as "disk", "cpu" or "killed".
 
 The three set-ups: (A) root with namespaces, (B) an ordinary user with user namespaces, (C) no namespaces
 (`SandboxLimits(namespaces=False)` forces C, for tests). Layers, each one independent of the others:
-- wall-clock timeout (the whole process group is SIGKILLed), RLIMIT_CPU, RLIMIT_AS (memory),
-  RLIMIT_FSIZE (stdout goes to a file, so printing 100 MB stops at the limit), RLIMIT_NOFILE, no core files;
-  the runner walks the working directory every 50 ms and stops the call past `disk_mb` or `max_files`;
+- wall-clock timeout, RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (any file), output past
+  `file_size_mb` stops the call, RLIMIT_NOFILE, no core files; the working directory is bounded to
+  `disk_mb` and `max_files`: with namespaces it is a tmpfs of that size (the kernel counts every block
+  and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds the files
+  the code holds open or mapped once unlinked; past the bound the call is stopped;
 - one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork, vfork, clone
   without CLONE_THREAD and clone3 (threads still work), so RLIMIT_AS and RLIMIT_CPU hold for the call as
   a whole without cgroups (which need root or a delegated systemd slice) and nothing can leave the
@@ -22,8 +30,12 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
   sockets but socketpair(AF_UNIX, SOCK_STREAM) -- AF_INET/AF_INET6 too where a network namespace
   covers them -- so host unix sockets (X11, D-Bus) stay out of reach; no SysV IPC, POSIX message queues
   or memfd (memory outside RLIMIT_AS, objects that outlive the call), no xattr writes, no file locks or
-  leases (a channel between concurrent calls), no F_SETOWN (I/O signals to other processes), fallocate
-  "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no chmod, chown or file times, and
+  leases (a channel between concurrent calls), no F_GETLK (it names a host lock holder), no F_SETOWN
+  (I/O signals to other processes), no file flags or attributes by ioctl (FS_IOC_SETFLAGS,
+  FS_IOC_FSSETXATTR), no page-cache eviction (fadvise DONTNEED, madvise COLD/PAGEOUT), fallocate
+  "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no chmod, chown or file times, no
+  bind (abstract unix names are the host's), no sendmsg (fds in flight hide files from the disk count),
+  no mkdir without rwx for the owner and no umask that takes them (the runner walks every folder), and
   with Landlock ABI < 3 no truncate(path) (Landlock has no right for these);
 - privileges dropped after the mounts are set up: as root (A) an unused uid per call, every capability
   and the bounding set gone; in a user namespace (B) a nested user namespace maps the code to uid 1000
@@ -32,17 +44,20 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
   the code is not run (uid 0 may chmod, utime and truncate the host's files by name and is not bound by
   RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child checks /proc/self/status before it runs;
 - Landlock (Linux >= 5.13, unprivileged): reads only of the python installation, /usr, /lib*, a few
-  /etc files, /proc/self, the cpu topology and the working directory; writes only to the working
+  /etc files, some of /proc/self (not net, not task: without a network namespace the host's sockets;
+  not /proc/stat: a fork counter), the cpu topology and the working directory; writes only to the working
   directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets out of
   the domain (ABI >= 6). Kernel-enforced whatever path the code builds (dir_fd, /proc/self/root, ctypes);
 - a fresh temporary working directory (also HOME and TMPDIR), a scrubbed environment; it is removed
-  without recursion, whatever the code left in it (deep trees, chmod 000 folders), by a background thread
+  without recursion and without following symlinks, whatever the code left in it (deep trees, chmod 000
+  folders, the top one too), by a background thread
   (`wait_for_cleanup`), so a call takes its timeout plus a small constant;
 - namespaces where the OS allows them: no network (a new network namespace has only a loopback device
   that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the runner exits the
   kernel kills every process left in it), a private mount namespace in which home directories and the
-  trainer's working directory are covered by an empty tmpfs (the python installation is bound back)
-  and every mount is read-only except the sandbox's own directory;
+  trainer's working directory are covered by an empty tmpfs (the python installation is bound back),
+  so is /dev/pts (the trainer's terminals), and every mount is read-only except the sandbox's own
+  directory, the call's own tmpfs (nosuid, nodev): nothing the code writes reaches the host's disk;
 - a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory and the
   python installation (dir_fd included), writes outside the working directory, sockets and new
   processes. It is not a security boundary (ctypes goes around it); it gives the model clear messages.
