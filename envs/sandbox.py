@@ -3,15 +3,23 @@
 Every call runs in its own process:
 
     trainer thread ──► unshare (net, pid, mount, ipc namespaces; root or a user namespace)
-                         └─► runner (pid 1 of the new pid namespace: mounts, then reaps)
+                         └─► runner (pid 1 of the pid namespace: mounts, watches, stops, reaps, reports)
                                └─► child: rlimits, privileges dropped, chdir(fresh temp dir), Landlock,
                                    seccomp, python-level guard, exec(code) with the last expression printed
+The code's stdout and stderr are a pipe the trainer reads (a file would be the code's own, to chmod);
+the trainer stops a call by closing the runner's stdin, and the runner kills and reaps the code, so no
+process is left a zombie even where the trainer is PID 1 (Docker without --init). Verdicts come from
+the trainer's own timer and byte count and from the runner (the code's exit status or signal, its CPU
+time, the disk), on a pipe of the runner's the code does not hold: no exit status the code picks reads
+as "disk", "cpu" or "killed".
 
 The three set-ups: (A) root with namespaces, (B) an ordinary user with user namespaces, (C) no namespaces
 (`SandboxLimits(namespaces=False)` forces C, for tests). Layers, each one independent of the others:
-- wall-clock timeout (the whole process group is SIGKILLed), RLIMIT_CPU, RLIMIT_AS (memory),
-  RLIMIT_FSIZE (stdout goes to a file, so printing 100 MB stops at the limit), RLIMIT_NOFILE, no core files;
-  the runner walks the working directory every 50 ms and stops the call past `disk_mb` or `max_files`;
+- wall-clock timeout, RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (any file), output past
+  `file_size_mb` stops the call, RLIMIT_NOFILE, no core files; the working directory is bounded to
+  `disk_mb` and `max_files`: with namespaces it is a tmpfs of that size (the kernel counts every block
+  and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds the files
+  the code holds open or mapped once unlinked; past the bound the call is stopped;
 - one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork, vfork, clone
   without CLONE_THREAD and clone3 (threads still work), so RLIMIT_AS and RLIMIT_CPU hold for the call as
   a whole without cgroups (which need root or a delegated systemd slice) and nothing can leave the
@@ -22,8 +30,12 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
   sockets but socketpair(AF_UNIX, SOCK_STREAM) -- AF_INET/AF_INET6 too where a network namespace
   covers them -- so host unix sockets (X11, D-Bus) stay out of reach; no SysV IPC, POSIX message queues
   or memfd (memory outside RLIMIT_AS, objects that outlive the call), no xattr writes, no file locks or
-  leases (a channel between concurrent calls), no F_SETOWN (I/O signals to other processes), fallocate
-  "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no chmod, chown or file times, and
+  leases (a channel between concurrent calls), no F_GETLK (it names a host lock holder), no F_SETOWN
+  (I/O signals to other processes), no file flags or attributes by ioctl (FS_IOC_SETFLAGS,
+  FS_IOC_FSSETXATTR), no page-cache eviction (fadvise DONTNEED, madvise COLD/PAGEOUT), fallocate
+  "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no chmod, chown or file times, no
+  bind (abstract unix names are the host's), no sendmsg (fds in flight hide files from the disk count),
+  no mkdir without rwx for the owner and no umask that takes them (the runner walks every folder), and
   with Landlock ABI < 3 no truncate(path) (Landlock has no right for these);
 - privileges dropped after the mounts are set up: as root (A) an unused uid per call, every capability
   and the bounding set gone; in a user namespace (B) a nested user namespace maps the code to uid 1000
@@ -32,17 +44,20 @@ The three set-ups: (A) root with namespaces, (B) an ordinary user with user name
   the code is not run (uid 0 may chmod, utime and truncate the host's files by name and is not bound by
   RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child checks /proc/self/status before it runs;
 - Landlock (Linux >= 5.13, unprivileged): reads only of the python installation, /usr, /lib*, a few
-  /etc files, /proc/self, the cpu topology and the working directory; writes only to the working
+  /etc files, some of /proc/self (not net, not task: without a network namespace the host's sockets;
+  not /proc/stat: a fork counter), the cpu topology and the working directory; writes only to the working
   directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets out of
   the domain (ABI >= 6). Kernel-enforced whatever path the code builds (dir_fd, /proc/self/root, ctypes);
 - a fresh temporary working directory (also HOME and TMPDIR), a scrubbed environment; it is removed
-  without recursion, whatever the code left in it (deep trees, chmod 000 folders), by a background thread
+  without recursion and without following symlinks, whatever the code left in it (deep trees, chmod 000
+  folders, the top one too), by a background thread
   (`wait_for_cleanup`), so a call takes its timeout plus a small constant;
 - namespaces where the OS allows them: no network (a new network namespace has only a loopback device
   that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the runner exits the
   kernel kills every process left in it), a private mount namespace in which home directories and the
-  trainer's working directory are covered by an empty tmpfs (the python installation is bound back)
-  and every mount is read-only except the sandbox's own directory;
+  trainer's working directory are covered by an empty tmpfs (the python installation is bound back),
+  so is /dev/pts (the trainer's terminals), and every mount is read-only except the sandbox's own
+  directory, the call's own tmpfs (nosuid, nodev): nothing the code writes reaches the host's disk;
 - a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory and the
   python installation (dir_fd included), writes outside the working directory, sockets and new
   processes. It is not a security boundary (ctypes goes around it); it gives the model clear messages.
@@ -60,6 +75,7 @@ import itertools
 import json
 import os
 import platform
+import selectors
 import shutil
 import signal
 import subprocess
@@ -70,7 +86,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-DISK_EXIT = 200  # the runner's exit status when the working directory went over its limits
+STOP_GRACE_S = 2.0  # after the trainer asks the runner to stop the code: its time to do so and report
 UID_BASE, UID_SPAN = 40000, 20000  # per-call uids (A): no two calls share files or signals
 _uid_counter = itertools.count(os.getpid() * 101)  # offset by pid: trainer processes (ranks) rarely collide
 _uid_lock = threading.Lock()
@@ -101,13 +117,26 @@ class SandboxResult:
     seconds: float
 
 
-# The runner is passed with -c; its config as argv[1]; the user's code arrives on stdin.
+# The runner is passed with -c; its config as argv[1]; the user's code arrives on stdin (its length
+# first); stdin then stays open: its end (or a byte) asks the runner to stop the code. The runner's
+# verdict (the code's exit status or signal, CPU used, disk over) goes to the trainer on a pipe of its
+# own, closed in the code's process, so no exit status the code chooses reads as a verdict.
 RUNNER = r'''
-import ast, ctypes, json, linecache, os, posix, resource, signal, stat, struct, sys, traceback
+import ast, ctypes, json, linecache, os, posix, re, resource, select, signal, stat, struct, sys, traceback
 cfg = json.loads(sys.argv[1])
-DISK_EXIT = cfg["disk_exit"]
-code = sys.stdin.read()
+
+def read_exactly(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            os._exit(0)  # the trainer stopped the call before the code arrived
+        data += chunk
+    return data
+
+code = read_exactly(int.from_bytes(read_exactly(8), "little")).decode("utf-8", errors="replace")
 wd = cfg["wd"]
+MB = 1024 * 1024
 libc = ctypes.CDLL(None, use_errno=True)
 L = ctypes.c_long
 
@@ -121,25 +150,36 @@ def need(ok, what):
 
 def private_mounts():
     # Private mount namespace. Home directories are covered by an empty tmpfs, with only the paths the
-    # code needs (the python installation, the working dir) bound back; then every mount is made
-    # read-only except the working dir. None of this is visible outside the namespace.
-    MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+    # code needs (the python installation, the working dir) bound back; the working dir is a tmpfs of
+    # its own (the kernel bounds its size and entries, unlinked files included; nothing the code makes
+    # reaches the host's disk); the trainer's terminals (/dev/pts) are covered; then every mount is
+    # made read-only except the working dir. None of this is visible outside the namespace.
+    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
     keep = [wd] + [os.path.realpath(p) for p in cfg["keep"]]
     for hidden in cfg["hide"]:
         if not os.path.isdir(hidden):
             continue
         inside = [p for p in keep if p.startswith(hidden.rstrip("/") + "/") and os.path.exists(p)]
         fds = [os.open(p, os.O_PATH) for p in inside]
-        if libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", 0, b"mode=0755,size=1m") != 0:
+        if libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", 0, b"mode=0755,size=1m") == 0:
+            for p, fd in zip(inside, fds):
+                os.makedirs(p, exist_ok=True)
+                libc.mount(f"/proc/self/fd/{fd}".encode(), p.encode(), None, MS_BIND | MS_REC, None)
+        for fd in fds:  # not left open: a way under the cover (openat "..") had they been inherited
+            os.close(fd)
+    opts = f"size={cfg['disk_mb'] * MB + 65536},nr_inodes={cfg['max_files'] + 2},mode=0700"
+    opts += f",uid={cfg['uid']},gid={cfg['uid']}" if cfg["uid"] is not None else ""
+    need(libc.mount(b"tmpfs", wd.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) == 0,
+         "the working directory's tmpfs")
+    if os.path.isdir("/dev/pts"):
+        need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                        b"size=4k,mode=0755") == 0, "a cover over /dev/pts")
+    unescape = lambda m: bytes([int(m.group(1), 8)])  # /proc/self/mounts writes " " as \040
+    mounts = open("/proc/self/mounts", "rb").read().splitlines()
+    for t in [re.sub(rb"\\([0-7]{3})", unescape, line.split()[1]) for line in mounts]:
+        if t == wd.encode() or t.startswith((b"/proc", b"/sys")):
             continue
-        for p, fd in zip(inside, fds):
-            os.makedirs(p, exist_ok=True)
-            libc.mount(f"/proc/self/fd/{fd}".encode(), p.encode(), None, MS_BIND | MS_REC, None)
-    libc.mount(wd.encode(), wd.encode(), None, MS_BIND, None)
-    for t in [line.split()[1] for line in open("/proc/self/mounts")]:
-        if t == wd or t.startswith(("/proc", "/sys", "/dev/pts")) or "\\" in t:
-            continue
-        libc.mount(b"none", t.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+        libc.mount(b"none", t, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
 
 def drop_privileges():
     PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 24, 28, 47, 38
@@ -174,8 +214,13 @@ def drop_privileges():
 ETC = ["/etc/localtime", "/etc/timezone", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
        "/etc/os-release", "/etc/mime.types", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts",
        "/etc/ssl", "/etc/ca-certificates", "/etc/fonts", "/etc/matplotlibrc", "/etc/alternatives"]
-SYSTEM = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc/self", "/proc/cpuinfo", "/proc/meminfo",
-          "/proc/stat", "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"] + ETC
+# of /proc/self not net (without a network namespace: the host's sockets) nor task (task/N/net);
+# not /proc/stat (its fork counter: a channel from one call to the next)
+PROC_SELF = ["/proc/self/" + name for name in ("fd", "fdinfo", "status", "stat", "statm", "maps", "smaps",
+                                               "cmdline", "exe", "environ", "limits", "auxv", "comm",
+                                               "cgroup", "mounts", "mountinfo", "io")]
+SYSTEM = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc/cpuinfo", "/proc/meminfo",
+          "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"] + PROC_SELF + ETC
 
 def landlock():
     # reads: the python installation and system files; writes: the working dir and /dev/null
@@ -251,12 +296,27 @@ def seccomp():
     denied += [76] if cfg["landlock"] < 3 else []  # truncate(path): Landlock covers it from ABI 3
     if not cfg["mounts"]:  # C: no read-only mounts, and Landlock has no right for chmod, chown, file times
         denied += [90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280]
+        # no network namespace: bind would take an abstract unix name from the host (Landlock scopes
+        # connect only); sendmsg, sendmmsg: fds in flight (SCM_RIGHTS) would hide files from the disk count
+        denied += [49, 46, 307]
+        # no folder the runner cannot read (it counts the disk by walking): mkdir needs rwx for the owner,
+        # umask may not take them away (chmod is refused above)
+        prog += only(83, arg(1), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
+        prog += only(258, arg(2), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
+        prog += only(95, arg(0), jset(0o700, 1, 0), ret(ALLOW), ret(DENY))
     for nr in denied:
         prog += only(nr, ret(DENY))
     # fcntl: no record locks or leases (the flock channel again), no signal owner (F_SETOWN + F_SETSIG
-    # would send SIGKILL on I/O to any process of the same uid; Landlock scopes signals from ABI 6 only)
-    prog += refuse(72, 1, (6, 7, 37, 38, 1024, 8, 10, 15, 1026))
-    prog += refuse(16, 1, (0x8901, 0x8902))  # ioctl FIOSETOWN, SIOCSPGRP: F_SETOWN's other spellings
+    # would send SIGKILL on I/O to any process of the same uid; Landlock scopes signals from ABI 6 only),
+    # no F_GETLK / F_OFD_GETLK (they name the host process that holds a lock on a readable file)
+    prog += refuse(72, 1, (6, 7, 37, 38, 1024, 8, 10, 15, 1026, 5, 36))
+    # ioctl: FIOSETOWN, SIOCSPGRP (F_SETOWN's other spellings); file flags and attributes (NODUMP,
+    # NOATIME, SYNC, project ids: FS_IOC_SETFLAGS, its 32-bit form, FS_IOC_FSSETXATTR, FS_IOC_SETVERSION)
+    # of any file the code owns -- Landlock's ioctl right covers devices only
+    prog += refuse(16, 1, (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602))
+    # page cache of host files: fadvise DONTNEED, madvise COLD and PAGEOUT evict what others read
+    prog += refuse(221, 3, (4,))
+    prog += refuse(28, 2, (20, 21))
     # fallocate reserves disk without writing: "not supported" makes libc's posix_fallocate write instead
     prog += only(285, ret(0x50000 | 95))
     prog.append(ret(ALLOW))
@@ -267,9 +327,16 @@ def seccomp():
 if cfg["mounts"]:
     private_mounts()
 
-def disk_over():
-    # the working dir is the code's only writable place: its blocks and entries, walked every 50 ms
-    used, entries, todo = 0, 0, [wd]
+def disk_over(pid):
+    limit = cfg["disk_mb"] * MB
+    if cfg["mounts"]:  # the call's own tmpfs: the kernel counts every block and entry, held files too
+        st = os.statvfs(wd)
+        used, entries = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree - 1
+        return used > limit or entries > cfg["max_files"]
+    # C: the working dir is on the host's disk: walked (read only: the runner changes nothing there, as
+    # a folder's path may be swapped for a symlink to a host folder), plus the files the code holds
+    # open or mapped once unlinked (O_TMPFILE too), which no walk sees
+    used, entries, todo, seen = 0, 0, [wd], set()
     while todo:
         d = todo.pop()
         try:
@@ -277,48 +344,68 @@ def disk_over():
                 for e in it:
                     st = e.stat(follow_symlinks=False)
                     used, entries = used + st.st_blocks * 512, entries + 1
+                    seen.add(st.st_ino)
                     if stat.S_ISDIR(st.st_mode):
                         todo.append(e.path)
-        except PermissionError:  # a folder the code closed (chmod 000): opened again, walked again
-            if not os.access(d, os.R_OK | os.X_OK):
-                try:
-                    os.chmod(d, 0o700)
-                    todo.append(d)
-                except OSError:
-                    pass
         except FileNotFoundError:
             pass
-        except OSError:  # a path past PATH_MAX: deeper than the entry limit allows
+        except OSError:  # unreadable (seccomp keeps the owner's rwx) or past PATH_MAX: not measurable
             return True
-        if used > cfg["disk_mb"] * MB or entries > cfg["max_files"]:
+        if used > limit or entries > cfg["max_files"]:
             return True
-    return False
+    dev = os.stat(wd).st_dev
+    try:
+        for n in os.listdir(f"/proc/{pid}/fd") if pid else []:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{n}")
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_dev == dev and st.st_ino not in seen:
+                seen.add(st.st_ino)
+                used += st.st_blocks * 512
+        maps = {}
+        for line in open(f"/proc/{pid}/maps").read().splitlines() if pid else []:
+            f = line.split()
+            if len(f) > 5 and line.endswith("(deleted)") and int(f[4]) not in seen:
+                major, minor = (int(x, 16) for x in f[3].split(":"))
+                if os.makedev(major, minor) == dev:
+                    start, end = (int(x, 16) for x in f[0].split("-"))
+                    maps[int(f[4])] = max(maps.get(int(f[4]), 0), int(f[2], 16) + end - start)
+        used += sum(maps.values())
+    except OSError:
+        pass  # the code is gone
+    return used > limit
 
-MB = 1024 * 1024
-signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # the runner wakes on the child's exit at once
 pid = os.fork()
-if pid:  # pid 1 of the namespace: reap, then report the child's status; exiting kills the rest
+if pid:  # pid 1 of the namespace: watch, stop, reap, then report; exiting kills the rest
+    try:
+        wake = [0, os.pidfd_open(pid)]  # the trainer's stop (stdin's end), the child's exit
+    except (AttributeError, OSError):
+        wake = [0]
+    verdict = {}
     while True:
-        try:
-            got, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
-            os._exit(0)
-        if got == 0:
-            if disk_over():
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os._exit(DISK_EXIT)
-            signal.sigtimedwait([signal.SIGCHLD], 0.05)
-        elif got == pid:
-            if not os.WIFSIGNALED(status):
-                os._exit(os.WEXITSTATUS(status))
-            sig = os.WTERMSIG(status)
-            # RLIMIT_CPU's hard limit ends in SIGKILL: told apart from any other SIGKILL by the CPU used
-            if sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cfg["cpu_s"]:
-                sig = signal.SIGXCPU
-            os._exit(128 + sig)
+        got, status, usage = os.wait4(pid, os.WNOHANG)
+        if got == pid:
+            if disk_over(None):  # what it left: a tmpfs written full (ENOSPC), a walk over the limit
+                verdict["disk"] = True
+            break
+        over = disk_over(pid)
+        if over or 0 in select.select(wake, [], [], 0.05 if len(wake) == 2 else 0.01)[0]:
+            verdict["disk" if over else "stopped"] = True
+            os.kill(pid, signal.SIGKILL)
+            _, status, usage = os.wait4(pid, 0)
+            break
+    verdict.update(status=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                   signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                   cpu_s=usage.ru_utime + usage.ru_stime)
+    os.write(cfg["verdict_fd"], json.dumps(verdict).encode())
+    os._exit(0)
 
-signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+# the child: only stdout and stderr are kept (not the verdict pipe, not the trainer's stop signal)
+null = os.open("/dev/null", os.O_RDONLY)
+os.dup2(null, 0)
+os.closerange(3, 1 << 16)
+os.umask(0o022)
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))
 resource.setrlimit(resource.RLIMIT_AS, (cfg["memory_mb"] * MB, cfg["memory_mb"] * MB))
@@ -495,7 +582,7 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
             "hide": [p for p in protect if not _is_system_dir(p)], "userns": "--user" in namespaces,
             "net_ns": bool(namespaces), **kernel, "guard": limits.guard, "cpu_s": limits.cpu_s,
             "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
-            "max_files": limits.max_files, "disk_exit": DISK_EXIT, "open_files": limits.open_files,
+            "max_files": limits.max_files, "open_files": limits.open_files,
             "nproc": limits.nproc, "unsafe": limits.unsafe}
 
 
@@ -506,9 +593,8 @@ def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict) -
         if uid is not None:
             os.chown(wd, uid, uid)
         cfg = _config(wd, uid, namespaces, mounts, kernel, SandboxLimits(guard=False, unsafe=True))
-        p = subprocess.run(_command(cfg, namespaces), input="print(6 * 7)", capture_output=True, text=True,
-                           timeout=20, env=_sandbox_env(wd))
-        return p.returncode == 0 and p.stdout.strip() == "42"
+        out, stop, verdict, _ = _execute(cfg, namespaces, b"print(6 * 7)", _sandbox_env(wd), 20, 1 << 20, 100)
+        return stop is None and verdict is not None and verdict["status"] == 0 and out.text().strip() == "42"
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
@@ -572,25 +658,6 @@ def refusal(iso: dict) -> str:
             "arpo.py --unsafe-python (make_env('tools', unsafe_python=True); SandboxLimits(unsafe=True)).")
 
 
-def _read_output(path: str, max_chars: int) -> str:
-    """The output file cut to about max_chars: its head (2/3) and its tail (1/3, where errors are)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(4 * max_chars)
-        if size > 8 * max_chars:
-            f.seek(size - 4 * max_chars)
-        tail = f.read()
-    text = (head + tail).decode("utf-8", errors="replace")
-    if size <= 8 * max_chars and len(text) <= max_chars:
-        return text
-    if size <= 8 * max_chars:
-        head_s, tail_s = text, text
-    else:
-        head_s, tail_s = head.decode("utf-8", errors="replace"), tail.decode("utf-8", errors="replace")
-    return (f"{head_s[:2 * max_chars // 3]}\n... [output truncated: {size} bytes in total] ...\n"
-            f"{tail_s[len(tail_s) - max_chars // 3:]}")
-
-
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` in a fresh sandboxed process; never raises for anything the code does."""
     t0 = time.time()
@@ -601,39 +668,136 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     if not iso["kernel_isolated"] and not limits.unsafe:
         return SandboxResult(f"Error: {refusal(iso)}", "refused", 0.0)
     uid = _next_uid() if iso["drop_uid"] else None
-    wd, out_dir = "", ""
-    try:  # a full disk (a temp folder, the output file) is an error line too, not an exception
+    wd = ""
+    try:  # a full disk (a temp folder) is an error line too, not an exception
         wd = tempfile.mkdtemp(prefix="sandbox-")
-        out_dir = tempfile.mkdtemp(prefix="sandbox-out-")
-        out_path = os.path.join(out_dir, "stdout")
         if uid is not None:
             os.chown(wd, uid, uid)
         cfg = _config(wd, uid, iso["namespaces"], iso["mounts"], iso, limits)
-        timed_out = False
-        with open(out_path, "wb") as out:
-            proc = subprocess.Popen(_command(cfg, iso["namespaces"]), stdin=subprocess.PIPE, stdout=out,
-                                    stderr=subprocess.STDOUT, env=_sandbox_env(wd), cwd=wd,
-                                    start_new_session=True)
-            try:
-                proc.communicate(code.encode("utf-8", errors="replace"), timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            except (BrokenPipeError, OSError):
-                pass
-            finally:
-                _kill_group(proc)
-        text = _read_output(out_path, limits.max_output_chars)
-        error, message = _classify(proc.returncode, timed_out, os.path.getsize(out_path), text, limits,
-                                   time.time() - t0)
+        out, stop, verdict, rc = _execute(cfg, iso["namespaces"], code.encode("utf-8", errors="replace"),
+                                          _sandbox_env(wd), limits.timeout_s, limits.file_size_mb * MB,
+                                          4 * limits.max_output_chars)
+        text = out.text(limits.max_output_chars)
+        error, message = _classify(stop, verdict, rc, text, limits, time.time() - t0)
         if message:
             text = message + ("\n" + text if text.strip() else "")
         return SandboxResult(text.strip(), error, time.time() - t0)
     except OSError as e:
         return SandboxResult(f"Error: could not start the sandbox: {e}", "killed", time.time() - t0)
     finally:
-        for path in (wd, out_dir):
-            if path:  # off the caller's path: the call's time is its timeout plus a small constant
-                _cleaner.submit(_remove_tree, path)
+        if wd:  # off the caller's path: the call's time is its timeout plus a small constant
+            _cleaner.submit(_remove_tree, wd)
+
+
+MB = 1024 * 1024
+
+
+class _Output:
+    """What the code printed, as the trainer reads it from the pipe: its head, its tail and its size."""
+
+    def __init__(self, keep: int):
+        self.keep, self.head, self.tail, self.size = keep, bytearray(), bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        take = max(0, self.keep - len(self.head))
+        self.head += chunk[:take]
+        self.tail += chunk[take:]
+        if len(self.tail) > self.keep:
+            del self.tail[:-self.keep]
+
+    def text(self, max_chars: int = 1 << 30) -> str:
+        """Cut to about max_chars: its head (2/3) and its tail (1/3, where errors are)."""
+        whole = self.size <= len(self.head) + len(self.tail)
+        text = (self.head + self.tail).decode("utf-8", errors="replace")
+        if whole and len(text) <= max_chars:
+            return text
+        head_s = text if whole else self.head.decode("utf-8", errors="replace")
+        tail_s = text if whole else self.tail.decode("utf-8", errors="replace")
+        return (f"{head_s[:2 * max_chars // 3]}\n... [output truncated: {self.size} bytes in total] ...\n"
+                f"{tail_s[len(tail_s) - max_chars // 3:]}")
+
+
+def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s: float, cap: int,
+             keep: int) -> tuple[_Output, str | None, dict | None, int | None]:
+    """Run the runner: (the output, the trainer's own stop: None, "timeout" or "output", the runner's
+    verdict or None, the exit status). stdout is a pipe the trainer reads (a file would be the code's
+    to chmod, a set-uid executable on the host); the stop is asked of the runner, which kills and reaps
+    the code, so nothing is left a zombie even where the trainer is PID 1."""
+    vr, vw = os.pipe()
+    cfg = {**cfg, "verdict_fd": vw}
+    try:
+        proc = subprocess.Popen(_command(cfg, namespaces), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, cwd=cfg["wd"], start_new_session=True,
+                                pass_fds=(vw,))
+    except BaseException:
+        os.close(vr)
+        raise
+    finally:
+        os.close(vw)
+    out, stop, eof = _Output(keep), None, False
+    data = memoryview(len(code).to_bytes(8, "little") + code)
+    sel = selectors.DefaultSelector()
+    try:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+
+        def ask_to_stop(why: str) -> None:
+            nonlocal stop, deadline
+            stop, deadline = why, time.monotonic() + STOP_GRACE_S
+            if not proc.stdin.closed:
+                if proc.stdin in sel.get_map():
+                    sel.unregister(proc.stdin)
+                proc.stdin.close()  # its end: the runner kills the code, reaps it, reports
+
+        while not eof:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if stop is not None:
+                    break  # the runner did not end in its grace: killed below
+                ask_to_stop("timeout")
+                continue
+            for key, _ in sel.select(left):
+                if key.fileobj is proc.stdin:
+                    try:
+                        data = data[os.write(proc.stdin.fileno(), data[:1 << 16]):]
+                    except BlockingIOError:
+                        pass
+                    except OSError:  # the runner is gone
+                        data = data[len(data):]
+                    if not data:
+                        sel.unregister(proc.stdin)  # kept open: its end means "stop"
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    eof = True
+                    break
+                out.add(chunk)
+                if stop is None and out.size > cap:
+                    ask_to_stop("output")
+        rc = proc.wait(timeout=STOP_GRACE_S) if eof else None
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        sel.close()
+        if proc.poll() is None:
+            _kill_and_reap(proc)
+        for f in (proc.stdin, proc.stdout):
+            if not f.closed:
+                f.close()
+        os.set_blocking(vr, False)
+        try:
+            raw = os.read(vr, 1 << 16)
+        except OSError:
+            raw = b""
+        os.close(vr)
+    try:
+        verdict = json.loads(raw) if raw else None
+    except ValueError:
+        verdict = None
+    return out, stop, verdict, rc if rc is not None else proc.returncode
 
 
 _cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-cleanup")  # joined at exit
@@ -646,7 +810,9 @@ def wait_for_cleanup() -> None:
 
 def _remove_tree(top: str) -> None:
     """`rm -rf top` that never raises: no recursion and no long paths (one fd per level, walked down and
-    back up), whatever depth the code built; folders it made unreadable (chmod 000) are opened up first."""
+    back up), whatever depth the code built; folders it made unreadable (chmod 000), the top one too, are
+    opened up first, never through a symlink."""
+    _open_up(top)
     try:
         fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
@@ -663,8 +829,7 @@ def _remove_tree(top: str) -> None:
                         sub = e.name
                         break
             if sub is not None:
-                # a real folder (d_type above; the code's processes are all gone): no symlink to follow
-                _quietly(os.chmod, sub, 0o700, dir_fd=fd)
+                _open_up(sub, fd)
                 try:
                     child = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError:
@@ -689,6 +854,18 @@ def _remove_tree(top: str) -> None:
     _quietly(os.rmdir, top)
 
 
+def _open_up(name: str, dir_fd: int | None = None) -> None:
+    # chmod 700 of the folder itself: opened O_PATH without following a symlink, changed through its fd
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        _quietly(os.chmod, f"/proc/self/fd/{fd}", 0o700)
+    finally:
+        os.close(fd)
+
+
 def _quietly(fn, *args, **kwargs) -> bool:
     try:
         fn(*args, **kwargs)
@@ -697,38 +874,73 @@ def _quietly(fn, *args, **kwargs) -> bool:
         return False
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    # the session holds unshare, the runner and the code (which can neither fork nor leave the group)
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                kids = [int(k) for k in open(f"/proc/{p}/task/{tid}/children").read().split()]
+                found += kids
+                todo += kids
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _kill_and_reap(proc: subprocess.Popen) -> None:
+    # the last resort (the runner did not stop the code when asked): SIGKILL to the session, which
+    # holds unshare, the runner and the code (the code can neither fork nor leave the group); what
+    # was orphaned onto the trainer (it is PID 1, or a subreaper) is reaped here, not left a zombie
+    below = _descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    for pid in below:
+        for _ in range(200):
+            try:
+                if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                    break  # not ours to reap
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except (OSError, ValueError, IndexError):
+                break
+            time.sleep(0.01)
 
 
-def _classify(rc: int, timed_out: bool, size: int, text: str, limits: SandboxLimits,
+def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limits: SandboxLimits,
               seconds: float) -> tuple[str | None, str]:
-    if timed_out:
+    # from what the trainer saw (its timer, the bytes it read) and what the runner saw (the code's
+    # exit status or signal, its CPU time, the disk): never from an exit status the code could choose
+    if stop == "timeout":
         return "timeout", f"Error: execution timed out after {limits.timeout_s:g} s (wall clock)."
-    if size >= limits.file_size_mb * 1024 * 1024:
+    if stop == "output":
         return "output_limit", f"Error: output exceeded the {limits.file_size_mb} MB limit; stopped."
-    if rc == DISK_EXIT:
+    if v is None:  # the runner did not report: a layer it could not set up (its line is in the text)
+        return "killed", "" if text.strip() else f"Error: the sandbox ended without a report (status {rc})."
+    if v.get("disk"):
         return "disk", (f"Error: the working directory went over its limit ({limits.disk_mb} MB, "
                         f"{limits.max_files} files and folders); stopped.")
-    sig = rc - 128 if 128 < rc < DISK_EXIT else -rc if rc < 0 else 0  # the runner: 128 + a signal's number
-    if sig == signal.SIGXCPU:
+    sig = v["signal"]
+    # RLIMIT_CPU's hard limit ends in SIGKILL: told apart from any other SIGKILL by the CPU used
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and v["cpu_s"] >= limits.cpu_s):
         return "cpu", f"Error: CPU time limit of {limits.cpu_s} s exceeded."
     if sig == signal.SIGXFSZ:
         return "output_limit", f"Error: a file exceeded the {limits.file_size_mb} MB limit; stopped."
     if sig == signal.SIGSYS:
         return "killed", ("Error: the sandbox's seccomp filter killed the code (SIGSYS): it made a system "
                           "call of another ABI (32-bit i386), which is refused.")
-    if sig == signal.SIGKILL:  # not the CPU limit (the runner tells that apart): the code or the OS killed it
+    if sig == signal.SIGKILL:
         return "killed", f"Error: the code was killed (SIGKILL) after {seconds:.1f} s, within its CPU limit."
     if "MemoryError" in text:
         return "memory", ""
-    if rc != 0:
-        return "exit", "" if text.strip() else f"Error: the code exited with status {rc} and printed nothing."
+    if sig:
+        return "exit", "" if text.strip() else f"Error: the code ended with signal {sig} and printed nothing."
+    if v["status"] != 0:
+        return "exit", "" if text.strip() else (f"Error: the code exited with status {v['status']} and "
+                                                "printed nothing.")
     return None, ""
 
 

@@ -421,6 +421,75 @@ def cases(spec):
                        "             lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)):\n"
                        "    try:\n        lock()\n        print('ESCAPE lock')\n    except OSError:\n"
                        "        pass", {}, "all"),
+        # (B) the trainer's terminal: /dev/pts was left out of the read-only remount (chmod, utime)
+        "dev_pts": (f"b = {spec['pty']!r}.encode()\n"
+                    "if libc.chmod(b, 0o666) == 0 or libc.utimensat(-100, b, None, 0) == 0:\n"
+                    "    print('ESCAPE the trainer\\'s terminal')", {}, "all"),
+        # (B) fd 1 a host file owned by the code's uid: a set-uid executable of the trainer's
+        "stdout_file": ("import stat\nos.write(1, b'\\x7fELF\\n')\n"
+                        "if stat.S_ISREG(os.fstat(1).st_mode) and (libc.fchmod(1, 0o4755) == 0\n"
+                        "                                          or libc.futimens(1, None) == 0):\n"
+                        "    print('ESCAPE fd 1 is a host file the code can chmod')", {}, "all"),
+        # (B) the top folder closed: the trainer's clean-up could not empty it
+        "chmod_top": ("top = os.getcwd()\nprint(top)\nfor i in range(7):\n"
+                      "    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\nos.chmod('.', 0)", {}, "all"),
+        # (C) no network namespace: an abstract unix name held (a host process's bind fails)
+        "abstract_bind": ("import socket\na, b = socket.socketpair()\ntry:\n"
+                          f"    a.bind(b'\\0sandbox-{mark}')\n    print('ESCAPE bound an abstract name')\n"
+                          "except OSError:\n    pass", {}, "flat"),
+        # file flags (NODUMP, NOATIME, SYNC) by ioctl: Landlock's ioctl right covers devices only
+        "setflags": ("import fcntl\nfd = os.open('f', os.O_CREAT | os.O_RDWR)\n"
+                     "for n, cmd, arg in (('SETFLAGS', 0x40086602, struct.pack('l', 0x40)),\n"
+                     "                    ('SETFLAGS32', 0x40046602, struct.pack('i', 0x40)),\n"
+                     "                    ('FSSETXATTR', 0x401c5820, bytes(28))):\n"
+                     "    for f in (fd, 1):\n        try:\n            fcntl.ioctl(f, cmd, arg)\n"
+                     "            print('ESCAPE', n, f)\n        except OSError:\n            pass",
+                     {}, "all"),
+        # the runner's disk walk chmod'ed folders by path (a rename away from a host folder)
+        "walk_chmod": ("import stat\nos.mkdir('x', 0)\ntime.sleep(0.3)\n"
+                       "if stat.S_IMODE(os.stat('x').st_mode):\n"
+                       "    print('ESCAPE the runner chmods the code\\'s folders by path')", {}, "all"),
+        # files held open (unlinked, O_TMPFILE, in flight over SCM_RIGHTS) escaped the 64 MB walk
+        "hidden_disk": ("import socket\nheld, total = [], 0\na, b = socket.socketpair()\n"
+                        "def tmpfile():\n    global total\n"
+                        "    fd = os.open('.', os.O_TMPFILE | os.O_RDWR)\n"
+                        "    for _ in range(8):\n        total += os.write(fd, b'x' * (1 << 20))\n"
+                        "    return fd\ntry:\n    for _ in range(20):\n        fd = tmpfile()\n"
+                        "        socket.send_fds(a, [b'x'], [fd])\n        os.close(fd)\n"
+                        "except OSError as e:\n    print(e)\ntime.sleep(0.3)\n"
+                        "print('ESCAPE in flight', total >> 20, 'MB') if total > 64 << 20 else None\n"
+                        "total = 0\ntry:\n    for _ in range(20):\n"
+                        "        held.append(tmpfile())\nexcept OSError as e:\n    print(e)\n"
+                        "time.sleep(0.3)\n"
+                        "print('ESCAPE held', total >> 20, 'MB') if total > 64 << 20 else None",
+                        {"timeout_s": 5, "cpu_s": 4}, "all"),
+        # /proc/stat's fork counter (threads count): 8 bits from one call to the next
+        "proc_stat": ("try:\n    open('/proc/stat').read()\n    print('ESCAPE /proc/stat')\n"
+                      "except OSError:\n    pass", {}, "all"),
+        # (C) /proc/self/net is the host's: its listeners
+        "proc_net": ("for f in ('unix', 'tcp', 'tcp6', 'udp'):\n    try:\n"
+                     "        t = open('/proc/self/net/' + f).read()\n    except OSError:\n"
+                     f"        continue\n    if {sock!r} in t or ' 0A ' in t:\n"
+                     "        print('ESCAPE host listeners in', f)", {}, "all"),
+        # F_GETLK names a lock holder (the trainer holds a read lock on a stdlib file)
+        "getlk": ("import fcntl\nf = open(os.__file__)\n"
+                  "q = struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 0, 0)\ntry:\n"
+                  "    t = struct.unpack('hhqqi4x', fcntl.fcntl(f, fcntl.F_GETLK, q))\n"
+                  "    print('ESCAPE lock of pid', t[4]) if t[0] != fcntl.F_UNLCK else None\n"
+                  "except OSError:\n    pass", {}, "all"),
+        # page-cache eviction of a host file
+        "fadvise": ("fd = os.open(os.__file__, os.O_RDONLY)\ntry:\n"
+                    "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n    print('ESCAPE fadvise')\n"
+                    "except OSError:\n    pass", {}, "all"),
+        # fds the runner opened (O_PATH to the python installation under a hidden folder...) inherited
+        "inherited_fds": ("for n in sorted(os.listdir('/proc/self/fd'), key=int)[3:]:\n    try:\n"
+                          "        p = os.readlink('/proc/self/fd/' + n)\n    except OSError:\n"
+                          "        continue\n    if p != f'/proc/{os.getpid()}/fd':\n"
+                          "        print('ESCAPE inherited fd', n, p)", {}, "all"),
+        # exit statuses the runner used for its verdicts: the code could forge disk, cpu, killed
+        "forge_200": ("sys.stdout.flush()\nos._exit(200)", {}, "all"),
+        "forge_152": ("sys.stdout.flush()\nos._exit(152)", {}, "all"),
+        "forge_137": ("sys.stdout.flush()\nos._exit(137)", {}, "all"),
     }
 
 def snapshot(spec):
@@ -430,7 +499,7 @@ def snapshot(spec):
             with open(os.path.join(d, n), "rb") as f:
                 files[os.path.join(d, n)] = f.read()
     meta = {}
-    for p in [spec["hostfile"]] + list(files):
+    for p in [spec["hostfile"], spec["pty"]] + list(files):
         st = os.stat(p)
         meta[p] = [st.st_mode, st.st_mtime_ns, st.st_size, sorted(os.listxattr(p))]
     sysv = [len(open(f"/proc/sysvipc/{k}").readlines()) for k in ("shm", "msg", "sem")]
@@ -459,12 +528,16 @@ def attack(sandbox, spec):
     listener.listen(1)
     listener.settimeout(0.05)
     victim = subprocess.Popen(["sleep", "300"])
-    spec = {**spec, "victim": victim.pid}
+    pty = os.openpty()  # the trainer's terminal
+    lock = open(os.__file__)  # a read lock the trainer holds on a file every call may read
+    import fcntl
+    fcntl.lockf(lock, fcntl.LOCK_SH)
+    spec = {**spec, "victim": victim.pid, "pty": os.ttyname(pty[1])}
     before = snapshot(spec)
     iso = sandbox.isolation(spec["namespaces"])
     escapes = {"_setup": iso["setup"], "_isolated": iso["kernel_isolated"]}  # what this machine gave
     for name, (code, extra, where) in cases(spec).items():
-        if where == "ns" and not spec["namespaces"]:
+        if (where == "ns" and not spec["namespaces"]) or (where == "flat" and spec["namespaces"]):
             continue
         abi = extra.pop("abi", None)  # a kernel with an older Landlock: the ruleset the module builds there
         kw = {"timeout_s": 3, "cpu_s": 2, "memory_mb": 512, "guard": False, **extra}
@@ -487,13 +560,15 @@ def attack(sandbox, spec):
         found += ["secret read"] if spec["secret_text"] in r.output or "BASHRC-CANARY" in r.output else []
         if r.error == "refused" or "could not set up" in r.output:
             found.append("not run: " + r.output[:300])
-        if name == "deep_tree":
+        if name in ("deep_tree", "chmod_top"):
             top = next((line for line in r.output.splitlines() if line.startswith("/")), "")
             found += [f"{top} left on disk"] if not top.startswith("/") or os.path.lexists(top) else []
         if name in ("deep_tree", "disk_fill") and r.seconds > kw["timeout_s"] + 1.5:
             found.append(f"the call took {r.seconds:.1f} s with a {kw['timeout_s']} s timeout")
         if name == "disk_fill" and r.error != "disk":
             found.append(f"reported as {r.error}: {r.output[:200]}")
+        if name.startswith("forge_") and r.error != "exit":
+            found.append(f"exit status {name[6:]} reported as {r.error}: {r.output[:200]}")
         if name == "setsid_outlives":
             time.sleep(0.2)
             found += [f"sleep {pid} outlived the call" for pid in survivors(spec["mark"])]
@@ -512,6 +587,9 @@ def attack(sandbox, spec):
         found += [f"trainer changed: {k}" for k in before if before[k] != after[k]]
         escapes[name] = found
     listener.close()
+    lock.close()
+    os.close(pty[0])
+    os.close(pty[1])
     victim.kill()
     victim.wait()
     return escapes
@@ -650,10 +728,13 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "fork_exec_guard", "fork", "kill_trainer", "trainer_environ", "renice_trainer", "setsid_outlives",
          "deep_tree", "unix_socket", "memory_fork", "memory_threads", "sigkill", "host_metadata",
          "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd", "fallocate", "disk_fill", "threads",
-         "flock_host"]
+         "flock_host", "dev_pts", "stdout_file", "chmod_top", "abstract_bind", "setflags", "walk_chmod",
+         "hidden_disk", "proc_stat", "proc_net", "getlk", "fadvise", "inherited_fds", "forge_200",
+         "forge_152", "forge_137"]
 
 
 MOUNT_CASES = ("umount_home", "remount_rw")  # they try to undo the sandbox's mounts: set-up C has none
+FLAT_CASES = ("abstract_bind",)  # harmless inside a network namespace: run in set-up C only
 
 
 # As root the trainer's own set-up C is C-root when a spare uid reaches its interpreter, else refused
@@ -662,7 +743,8 @@ SETUPS = ("A", "B", "C-user", "C-root") if os.geteuid() == 0 else ("B", "C")
 
 
 @pytest.mark.parametrize("setup,case", [(s, c) for s in SETUPS for c in CASES
-                                        if not (s.startswith("C") and c in MOUNT_CASES)])
+                                        if not (s.startswith("C") and c in MOUNT_CASES)
+                                        and not (s in ("A", "B") and c in FLAT_CASES)])
 def test_hostile_snippet_does_not_escape(setup, case):
     if setup not in _results:
         _results[setup] = _attack(setup)
@@ -672,6 +754,41 @@ def test_hostile_snippet_does_not_escape(setup, case):
     if setup == "B" and got["_setup"] != "B":
         pytest.skip(f"an ordinary user gets set-up {got['_setup']} here, not user namespaces")
     assert got[case] == [], f"set-up {setup}, {case}: {got[case]}"
+
+
+PID1 = r'''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import sandbox
+for namespaces in (True, False):
+    r = sandbox.run_python("import time; time.sleep(30)", sandbox.SandboxLimits(timeout_s=1,
+                           namespaces=namespaces))
+    assert r.error == "timeout", r
+time.sleep(0.5)
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        zombies.append(pid)
+print("zombies", zombies, sandbox.isolation()["setup"], sandbox.isolation(False)["setup"])
+'''
+
+
+def test_a_timed_out_call_leaves_no_zombie_when_the_trainer_is_pid_1(tmp_path):
+    # Docker without --init: the trainer is PID 1, every orphan becomes its child and nobody else reaps
+    import shutil
+
+    import envs.sandbox as sandbox
+
+    python, unshare = _world_python(), shutil.which("unshare")
+    if os.geteuid() != 0 or python is None or unshare is None:
+        pytest.skip("needs root (a pid namespace whose PID 1 is the trainer), a python a spare uid reaches")
+    shutil.copy(sandbox.__file__, tmp_path / "sandbox.py")
+    p = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", python, "-I", "-c", PID1, str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split("[")[1].split("]")[0] == "", p.stdout  # set-ups A and C-root both ran
+    assert p.stdout.strip().endswith("A C"), p.stdout
 
 
 def test_a_full_disk_is_an_error_line_not_an_exception(monkeypatch):
