@@ -86,9 +86,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-STOP_GRACE_S = 2.0  # after the trainer asks the runner to stop the code: its time to do so and report
+# after the trainer asks the runner to stop the code: its time to do so and report
+STOP_GRACE_S = 2.0
 UID_BASE, UID_SPAN = 40000, 20000  # per-call uids (A): no two calls share files or signals
-_uid_counter = itertools.count(os.getpid() * 101)  # offset by pid: trainer processes (ranks) rarely collide
+# offset by pid: trainer processes (ranks) rarely collide
+_uid_counter = itertools.count(os.getpid() * 101)
 _uid_lock = threading.Lock()
 
 
@@ -96,7 +98,8 @@ _uid_lock = threading.Lock()
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock
     cpu_s: int = 10
-    memory_mb: int = 1024  # RLIMIT_AS of the call's only process: a little above what the code really uses
+    # RLIMIT_AS of the call's only process: a little above what the code really uses
+    memory_mb: int = 1024
     nproc: int = 32  # threads (RLIMIT_NPROC; new processes are refused anyway)
     file_size_mb: int = 8  # any file written, stdout included
     disk_mb: int = 64  # everything in the working directory together (checked every 50 ms)
@@ -105,22 +108,24 @@ class SandboxLimits:
     max_output_chars: int = 4000
     max_code_chars: int = 100_000
     guard: bool = True  # the python audit hook (tests turn it off to check the OS layers alone)
-    namespaces: bool = True  # False: set-up C, no namespaces (tests use it to exercise the fallback)
+    # False: set-up C, no namespaces (tests use it to exercise the fallback)
+    namespaces: bool = True
     unsafe: bool = False  # run even where the kernel isolates nothing (only the guard and rlimits)
 
 
 @dataclass
 class SandboxResult:
     output: str  # what the model sees: stdout+stderr, truncated, or an error line first
-    # None, "timeout", "cpu", "memory", "output_limit", "disk", "killed", "exit", "rejected", "refused"
+    # None, "timeout", "cpu", "memory", "output_limit", "disk", "killed",
+    # "exit", "rejected", "refused"
     error: str | None
     seconds: float
 
 
 # The runner is passed with -c; its config as argv[1]; the user's code arrives on stdin (its length
 # first); stdin then stays open: its end (or a byte) asks the runner to stop the code. The runner's
-# verdict (the code's exit status or signal, CPU used, disk over) goes to the trainer on a pipe of its
-# own, closed in the code's process, so no exit status the code chooses reads as a verdict.
+# verdict (the code's exit status or signal, CPU used, disk over) goes to the trainer on a pipe of
+# its own, closed in the code's process, so no exit status the code chooses reads as a verdict.
 RUNNER = r'''
 import ast, ctypes, json, linecache, os, posix, re, resource, select, signal, stat, struct, sys, traceback
 cfg = json.loads(sys.argv[1])
@@ -528,7 +533,8 @@ os._exit(0)
 def _sandbox_env(wd: str) -> dict[str, str]:
     # scrubbed: nothing from the trainer's environment (tokens, proxies, CUDA settings) leaks in
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": wd, "TMPDIR": wd, "LANG": "C.UTF-8",
-            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "MPLBACKEND": "Agg"}
 
 
 def _world_traversable(path: str) -> bool:
@@ -553,8 +559,8 @@ def _command(cfg: dict, namespaces: list[str]) -> list[str]:
     return [*namespaces, sys.executable, "-I", "-u", "-X", "utf8", "-c", RUNNER, json.dumps(cfg)]
 
 
-SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run", "/sbin", "/sys",
-               "/usr", "/var")
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run",
+               "/sbin", "/sys", "/usr", "/var")
 
 
 def _is_system_dir(path: str) -> bool:
@@ -576,12 +582,15 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
             limits: SandboxLimits) -> dict:
     # covered by an empty tmpfs: home directories and the trainer's working directory (the project,
     # its checkpoints, any .env) -- unless that is a system directory
-    protect = sorted(set(map(os.path.realpath, ["/root", "/home", os.path.expanduser("~"), os.getcwd()])))
-    keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    return {"wd": os.path.realpath(wd), "uid": uid, "mounts": mounts, "keep": keep, "protect": protect,
-            "hide": [p for p in protect if not _is_system_dir(p)], "userns": "--user" in namespaces,
-            "net_ns": bool(namespaces), **kernel, "guard": limits.guard, "cpu_s": limits.cpu_s,
-            "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
+    protect = sorted(set(map(os.path.realpath,
+                             ["/root", "/home", os.path.expanduser("~"), os.getcwd()])))
+    keep = [sys.prefix, sys.base_prefix, sys.exec_prefix,
+            os.path.dirname(os.path.realpath(sys.executable))]
+    return {"wd": os.path.realpath(wd), "uid": uid, "mounts": mounts, "keep": keep,
+            "protect": protect, "hide": [p for p in protect if not _is_system_dir(p)],
+            "userns": "--user" in namespaces, "net_ns": bool(namespaces), **kernel,
+            "guard": limits.guard, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+            "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
             "max_files": limits.max_files, "open_files": limits.open_files,
             "nproc": limits.nproc, "unsafe": limits.unsafe}
 
@@ -593,8 +602,10 @@ def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict) -
         if uid is not None:
             os.chown(wd, uid, uid)
         cfg = _config(wd, uid, namespaces, mounts, kernel, SandboxLimits(guard=False, unsafe=True))
-        out, stop, verdict, _ = _execute(cfg, namespaces, b"print(6 * 7)", _sandbox_env(wd), 20, 1 << 20, 100)
-        return stop is None and verdict is not None and verdict["status"] == 0 and out.text().strip() == "42"
+        out, stop, verdict, _ = _execute(cfg, namespaces, b"print(6 * 7)", _sandbox_env(wd), 20,
+                                         1 << 20, 100)
+        return (stop is None and verdict is not None and verdict["status"] == 0
+                and out.text().strip() == "42")
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
@@ -617,7 +628,8 @@ def _isolation(namespaces: bool) -> dict:
     if unshare:
         ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
         tries.append((ns if root else [unshare, "--user", "--map-root-user", *ns[1:]], True, root))
-    # without a mount namespace a dropped uid must still reach the interpreter (e.g. not under /root)
+    # without a mount namespace a dropped uid must still reach the
+    # interpreter (e.g. not under /root)
     reachable = _world_traversable(sys.executable) and _world_traversable(sys.prefix)
     tries.append(([], False, root and reachable))
     for cmd, mounts, may_drop in tries:
@@ -625,45 +637,50 @@ def _isolation(namespaces: bool) -> dict:
             for uid in ([UID_BASE + UID_SPAN] if may_drop else []) + [None]:
                 if _probe(cmd, uid, mounts, layers):
                     return _report(cmd, mounts, uid is not None, layers)
-    return {**_report([], False, False, NO_KERNEL_LAYERS), "note": "the sandbox could not start python"}
+    return {**_report([], False, False, NO_KERNEL_LAYERS),
+            "note": "the sandbox could not start python"}
 
 
 def _report(cmd: list[str], mounts: bool, drop_uid: bool, kernel: dict) -> dict:
     files = mounts or kernel["landlock"] > 0  # the kernel keeps the code off the trainer's files
     processes = bool(cmd) or kernel["seccomp"]  # ... and off the trainer's processes
-    # ... and the code is not uid 0, which owns the host's files by name (chmod, utime, truncate need no
-    # capability then) and is not bound by RLIMIT_NPROC: as root a spare uid, or the code is not run
+    # ... and the code is not uid 0, which owns the host's files by name (chmod, utime,
+    # truncate need no capability then) and is not bound by RLIMIT_NPROC: as root
+    # a spare uid, or the code is not run
     unprivileged = drop_uid or os.geteuid() != 0
     layers = [("network namespace", bool(cmd)), ("read-only mounts", mounts),
               ("Landlock", kernel["landlock"] > 0), ("seccomp", kernel["seccomp"]),
               ("unprivileged uid", unprivileged)]
     missing = [name for name, ok in layers if not ok]
-    return {"namespaces": cmd, "mounts": mounts, "drop_uid": drop_uid, "network_isolated": bool(cmd),
-            "read_only_fs": mounts, "landlock": kernel["landlock"], "seccomp": kernel["seccomp"],
-            "kernel_isolated": files and processes and unprivileged,
+    return {"namespaces": cmd, "mounts": mounts, "drop_uid": drop_uid,
+            "network_isolated": bool(cmd), "read_only_fs": mounts, "landlock": kernel["landlock"],
+            "seccomp": kernel["seccomp"], "kernel_isolated": files and processes and unprivileged,
             "setup": ("A" if "--user" not in cmd else "B") if cmd else "C",
-            "note": ("missing: " + ", ".join(missing) + "; the python audit hook and rlimits still apply")
-            + ("" if unprivileged else f"; as root without namespaces the code must run as a spare uid, "
-               f"which cannot reach {sys.executable} (a folder on its path is closed to other users): run "
-               "as an ordinary user, with namespaces, or with python where every user can read it")
+            "note": ("missing: " + ", ".join(missing)
+                     + "; the python audit hook and rlimits still apply")
+            + ("" if unprivileged else "; as root without namespaces the code must run as a spare "
+               f"uid, which cannot reach {sys.executable} (a folder on its path is closed to other "
+               "users): run as an ordinary user, with namespaces, or with python where every user "
+               "can read it")
             if missing else ""}
 
 
 def refusal(iso: dict) -> str:
     """Why model-written code is not run on this machine, and the switch that accepts the risk."""
-    return (f"the python sandbox cannot isolate model-written code on this machine ({iso['note'] or 'none'})"
-            ": it needs a mount namespace or Landlock (files), namespaces or seccomp (processes), and as "
-            "root a uid other than 0. Model-written code is not run; to run it anyway, with only the python "
-            "audit hook and rlimits, accept the risk with "
-            "arpo.py --unsafe-python (make_env('tools', unsafe_python=True); SandboxLimits(unsafe=True)).")
+    return ("the python sandbox cannot isolate model-written code on this machine "
+            f"({iso['note'] or 'none'}): it needs a mount namespace or Landlock (files), "
+            "namespaces or seccomp (processes), and as root a uid other than 0. Model-written code "
+            "is not run; to run it anyway, with only the python audit hook and rlimits, accept the "
+            "risk with arpo.py --unsafe-python (make_env('tools', unsafe_python=True); "
+            "SandboxLimits(unsafe=True)).")
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` in a fresh sandboxed process; never raises for anything the code does."""
     t0 = time.time()
     if len(code) > limits.max_code_chars:
-        return SandboxResult(f"Error: code is {len(code)} characters; the limit is {limits.max_code_chars}.",
-                             "rejected", 0.0)
+        return SandboxResult(f"Error: code is {len(code)} characters; "
+                             f"the limit is {limits.max_code_chars}.", "rejected", 0.0)
     iso = isolation(limits.namespaces)
     if not iso["kernel_isolated"] and not limits.unsafe:
         return SandboxResult(f"Error: {refusal(iso)}", "refused", 0.0)
@@ -674,8 +691,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         if uid is not None:
             os.chown(wd, uid, uid)
         cfg = _config(wd, uid, iso["namespaces"], iso["mounts"], iso, limits)
-        out, stop, verdict, rc = _execute(cfg, iso["namespaces"], code.encode("utf-8", errors="replace"),
-                                          _sandbox_env(wd), limits.timeout_s, limits.file_size_mb * MB,
+        out, stop, verdict, rc = _execute(cfg, iso["namespaces"],
+                                          code.encode("utf-8", errors="replace"), _sandbox_env(wd),
+                                          limits.timeout_s, limits.file_size_mb * MB,
                                           4 * limits.max_output_chars)
         text = out.text(limits.max_output_chars)
         error, message = _classify(stop, verdict, rc, text, limits, time.time() - t0)
@@ -714,7 +732,8 @@ class _Output:
             return text
         head_s = text if whole else self.head.decode("utf-8", errors="replace")
         tail_s = text if whole else self.tail.decode("utf-8", errors="replace")
-        return (f"{head_s[:2 * max_chars // 3]}\n... [output truncated: {self.size} bytes in total] ...\n"
+        return (f"{head_s[:2 * max_chars // 3]}\n"
+                f"... [output truncated: {self.size} bytes in total] ...\n"
                 f"{tail_s[len(tail_s) - max_chars // 3:]}")
 
 
@@ -727,9 +746,9 @@ def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s
     vr, vw = os.pipe()
     cfg = {**cfg, "verdict_fd": vw}
     try:
-        proc = subprocess.Popen(_command(cfg, namespaces), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env, cwd=cfg["wd"], start_new_session=True,
-                                pass_fds=(vw,))
+        proc = subprocess.Popen(_command(cfg, namespaces), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                cwd=cfg["wd"], start_new_session=True, pass_fds=(vw,))
     except BaseException:
         os.close(vr)
         raise
@@ -817,7 +836,8 @@ def _remove_tree(top: str) -> None:
         fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return
-    names, stuck = [], set()  # the way down from top; folders that could not be emptied (left once each)
+    # the way down from top; folders that could not be emptied (left once each)
+    names, stuck = [], set()
     try:
         while True:
             sub = None
@@ -855,7 +875,8 @@ def _remove_tree(top: str) -> None:
 
 
 def _open_up(name: str, dir_fd: int | None = None) -> None:
-    # chmod 700 of the folder itself: opened O_PATH without following a symlink, changed through its fd
+    # chmod 700 of the folder itself: opened O_PATH without following a symlink,
+    # changed through its fd
     try:
         fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=dir_fd)
     except OSError:
@@ -901,7 +922,8 @@ def _kill_and_reap(proc: subprocess.Popen) -> None:
     for pid in below:
         for _ in range(200):
             try:
-                if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                if (int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                        != os.getpid()):
                     break  # not ours to reap
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     break
@@ -912,14 +934,18 @@ def _kill_and_reap(proc: subprocess.Popen) -> None:
 
 def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limits: SandboxLimits,
               seconds: float) -> tuple[str | None, str]:
-    # from what the trainer saw (its timer, the bytes it read) and what the runner saw (the code's
-    # exit status or signal, its CPU time, the disk): never from an exit status the code could choose
+    # from what the trainer saw (its timer, the bytes it read) and what the runner
+    # saw (the code's exit status or signal, its CPU time, the disk): never from
+    # an exit status the code could choose
     if stop == "timeout":
         return "timeout", f"Error: execution timed out after {limits.timeout_s:g} s (wall clock)."
     if stop == "output":
-        return "output_limit", f"Error: output exceeded the {limits.file_size_mb} MB limit; stopped."
-    if v is None:  # the runner did not report: a layer it could not set up (its line is in the text)
-        return "killed", "" if text.strip() else f"Error: the sandbox ended without a report (status {rc})."
+        return ("output_limit",
+                f"Error: output exceeded the {limits.file_size_mb} MB limit; stopped.")
+    # the runner did not report: a layer it could not set up (its line is in the text)
+    if v is None:
+        return "killed", "" if text.strip() else ("Error: the sandbox ended without a report "
+                                                  f"(status {rc}).")
     if v.get("disk"):
         return "disk", (f"Error: the working directory went over its limit ({limits.disk_mb} MB, "
                         f"{limits.max_files} files and folders); stopped.")
@@ -928,19 +954,22 @@ def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limit
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and v["cpu_s"] >= limits.cpu_s):
         return "cpu", f"Error: CPU time limit of {limits.cpu_s} s exceeded."
     if sig == signal.SIGXFSZ:
-        return "output_limit", f"Error: a file exceeded the {limits.file_size_mb} MB limit; stopped."
+        return ("output_limit",
+                f"Error: a file exceeded the {limits.file_size_mb} MB limit; stopped.")
     if sig == signal.SIGSYS:
-        return "killed", ("Error: the sandbox's seccomp filter killed the code (SIGSYS): it made a system "
-                          "call of another ABI (32-bit i386), which is refused.")
+        return "killed", ("Error: the sandbox's seccomp filter killed the code (SIGSYS): it made a "
+                          "system call of another ABI (32-bit i386), which is refused.")
     if sig == signal.SIGKILL:
-        return "killed", f"Error: the code was killed (SIGKILL) after {seconds:.1f} s, within its CPU limit."
+        return "killed", (f"Error: the code was killed (SIGKILL) after {seconds:.1f} s, "
+                          "within its CPU limit.")
     if "MemoryError" in text:
         return "memory", ""
     if sig:
-        return "exit", "" if text.strip() else f"Error: the code ended with signal {sig} and printed nothing."
-    if v["status"] != 0:
-        return "exit", "" if text.strip() else (f"Error: the code exited with status {v['status']} and "
+        return "exit", "" if text.strip() else (f"Error: the code ended with signal {sig} and "
                                                 "printed nothing.")
+    if v["status"] != 0:
+        return "exit", "" if text.strip() else ("Error: the code exited with status "
+                                                f"{v['status']} and printed nothing.")
     return None, ""
 
 

@@ -35,7 +35,8 @@ def sandbox_processes() -> list[int]:
 
 def test_repl_last_expression_and_prints():
     assert run_python("x = 3\nx * 14", FAST).output == "42"
-    assert run_python("print('hi')\n'a' + 'b'", FAST).output == "hi\n'ab'"  # repr, as a REPL shows it
+    # repr, as a REPL shows it
+    assert run_python("print('hi')\n'a' + 'b'", FAST).output == "hi\n'ab'"
     assert run_python("x = None\nx", FAST).output == ""                       # None is not echoed
     r = run_python("import math\nmath.factorial(20)", FAST)
     assert r.output == "2432902008176640000" and r.error is None
@@ -56,7 +57,8 @@ def test_infinite_loop_is_stopped():
     r = run_python("while True:\n    pass", FAST)
     assert time.time() - t0 < 6
     assert r.error in ("timeout", "cpu")
-    assert r.output.startswith("Error: ") and ("timed out" in r.output or "CPU time limit" in r.output)
+    assert (r.output.startswith("Error: ")
+            and ("timed out" in r.output or "CPU time limit" in r.output))
 
 
 def test_sleeping_code_hits_the_wall_clock():
@@ -66,7 +68,8 @@ def test_sleeping_code_hits_the_wall_clock():
 
 @pytest.mark.parametrize("guard", [True, False])
 def test_fork_bomb_is_refused(guard):
-    # one process per call: the guard refuses os.fork with a clear line; without it, seccomp refuses it
+    # one process per call: the guard refuses os.fork with a clear line;
+    # without it, seccomp refuses it
     before = resource.getrlimit(resource.RLIMIT_NPROC)
     r = run_python("import os\nwhile True:\n    os.fork()", FAST if guard else without_guard())
     assert r.error == "exit" and "PermissionError" in r.output
@@ -86,7 +89,8 @@ def test_printing_100_mb_is_cut():
     t0 = time.time()
     r = run_python("print('x' * 100_000_000)", FAST)
     assert time.time() - t0 < 10
-    assert r.error == "output_limit" and r.output.startswith("Error: output exceeded the 2 MB limit")
+    assert (r.error == "output_limit"
+            and r.output.startswith("Error: output exceeded the 2 MB limit"))
     assert len(r.output) < 1000  # 500 characters of output + the notes
 
 
@@ -105,10 +109,12 @@ def test_socket_to_localhost_fails(guard):
     server.listen(1)
     server.settimeout(0.5)
     port = server.getsockname()[1]
-    code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('ok')"
+    code = ("import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('ok')")
     r = run_python(code, FAST if guard else without_guard())
     assert "ok" not in r.output.split() and r.error == "exit"
-    # without the guard: the empty network namespace (OSError), or Landlock's TCP rule (PermissionError)
+    # without the guard: the empty network namespace (OSError),
+    # or Landlock's TCP rule (PermissionError)
     assert "network access is disabled" in r.output if guard else ("OSError" in r.output
                                                                    or "PermissionError" in r.output)
     with pytest.raises(socket.timeout):
@@ -128,7 +134,8 @@ def test_reading_outside_is_denied(guard, tmp_path):
         assert r.error == "exit", code
         assert "TOP-SECRET" not in r.output
         assert "PermissionError" in r.output or "FileNotFoundError" in r.output, (code, r.output)
-    # the home directory shows nothing but the way to the python installation (bound back when under it)
+    # the home directory shows nothing but the way to the python
+    # installation (bound back when under it)
     home = os.path.realpath(os.path.expanduser("~"))
     r = run_python(f"import os; os.listdir({home!r})", FAST if guard else without_guard())
     if r.error is None:
@@ -142,10 +149,12 @@ def test_reading_outside_is_denied(guard, tmp_path):
 @pytest.mark.parametrize("guard", [True, False])
 def test_writing_outside_changes_nothing(guard, tmp_path):
     if not guard and not isolation()["read_only_fs"]:
-        pytest.skip("no mount namespace on this machine: only the python guard stops outside writes")
+        pytest.skip("no mount namespace on this machine: "
+                    "only the python guard stops outside writes")
     keep = tmp_path / "keep.txt"
     keep.write_text("original")
-    targets = [str(tmp_path / "evil.txt"), f"/tmp/sandbox-evil-{uuid.uuid4().hex}", "/dev/shm/sandbox-evil"]
+    targets = [str(tmp_path / "evil.txt"), f"/tmp/sandbox-evil-{uuid.uuid4().hex}",
+               "/dev/shm/sandbox-evil"]
     attempts = [f"open({t!r}, 'w').write('x')" for t in targets] + [f"os.remove({str(keep)!r})"]
     code = "import os\n" + "".join(
         f"try:\n    {a}\nexcept OSError as e:\n    print(type(e).__name__)\n" for a in attempts)
@@ -164,13 +173,15 @@ def test_files_inside_the_working_dir_work_and_do_not_persist():
 
 def test_environment_is_scrubbed(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "xyz")
-    r = run_python("import os\n(os.environ.get('SECRET_TOKEN'), os.environ['HOME'] == os.getcwd())", FAST)
+    r = run_python("import os\n"
+                   "(os.environ.get('SECRET_TOKEN'), os.environ['HOME'] == os.getcwd())", FAST)
     assert r.output == "(None, True)"
 
 
 def test_calls_run_concurrently():
     t0 = time.time()
-    results = run_python_many([f"import time\ntime.sleep(1)\n{i} * 2" for i in range(4)], FAST, max_workers=4)
+    results = run_python_many([f"import time\ntime.sleep(1)\n{i} * 2" for i in range(4)], FAST,
+                              max_workers=4)
     assert [r.output for r in results] == ["0", "2", "4", "6"]
     assert time.time() - t0 < 3.5  # four 1 s sleeps overlapped (serial would be > 4 s)
 
@@ -185,11 +196,15 @@ def test_isolation_report():
     assert set(iso) >= {"network_isolated", "read_only_fs", "drop_uid", "note"}
     if os.geteuid() == 0 and iso["network_isolated"]:
         assert iso["read_only_fs"] and iso["drop_uid"]
-    # code runs only where the kernel keeps it off both the trainer's files and its processes, never as root
-    files, processes = iso["read_only_fs"] or iso["landlock"] > 0, iso["network_isolated"] or iso["seccomp"]
-    assert iso["kernel_isolated"] == (files and processes and (iso["drop_uid"] or os.geteuid() != 0))
+    # code runs only where the kernel keeps it off both the trainer's files
+    # and its processes, never as root
+    files, processes = (iso["read_only_fs"] or iso["landlock"] > 0,
+                        iso["network_isolated"] or iso["seccomp"])
+    assert iso["kernel_isolated"] == (files and processes
+                                      and (iso["drop_uid"] or os.geteuid() != 0))
     assert iso["setup"] == ("C" if not iso["namespaces"] else "B" if os.geteuid() else "A")
-    assert isolation(namespaces=False)["setup"] == "C" and not isolation(namespaces=False)["namespaces"]
+    assert (isolation(namespaces=False)["setup"] == "C"
+            and not isolation(namespaces=False)["namespaces"])
 
 
 def test_trainer_working_directory_is_hidden():
@@ -202,9 +217,10 @@ def test_trainer_working_directory_is_hidden():
 
 
 def test_as_root_without_namespaces_code_never_runs_as_uid_0(monkeypatch):
-    # root without CAP_SYS_ADMIN (Docker, Kubernetes): uid 0 may chmod, utime and truncate host files by name
-    # and ignores RLIMIT_NPROC, so the code runs as a spare uid or not at all; here the spare uid cannot reach
-    # the interpreter (as under /root): a refusal naming the switch, and the switch runs it
+    # root without CAP_SYS_ADMIN (Docker, Kubernetes): uid 0 may chmod, utime and truncate host
+    # files by name and ignores RLIMIT_NPROC, so the code runs as a spare uid or not at all;
+    # here the spare uid cannot reach the interpreter (as under /root): a refusal naming
+    # the switch, and the switch runs it
     import envs.sandbox as sandbox
 
     if os.geteuid() != 0:
@@ -214,7 +230,8 @@ def test_as_root_without_namespaces_code_never_runs_as_uid_0(monkeypatch):
     try:
         iso = isolation(namespaces=False)
         assert not iso["kernel_isolated"] and not iso["drop_uid"] and "spare uid" in iso["note"]
-        r = run_python("import os\nos.geteuid()", SandboxLimits(**{**FAST.__dict__, "namespaces": False}))
+        r = run_python("import os\nos.geteuid()",
+                       SandboxLimits(**{**FAST.__dict__, "namespaces": False}))
         assert r.error == "refused" and "--unsafe-python" in r.output and "spare uid" in r.output
         risky = SandboxLimits(**{**FAST.__dict__, "namespaces": False, "unsafe": True})
         assert run_python("import os\nos.geteuid()", risky).output == "0"
@@ -235,9 +252,10 @@ def test_relative_paths_work_with_the_guard():
     assert "sandbox: access to" in r.output
 
 
-@pytest.mark.parametrize("code", ["for i in range(200):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))",
-                                  "for i in range(5000):\n    os.mkdir(f'd{i}')",
-                                  "for _ in range(8000):\n    os.mkdir('d')\n    os.chdir('d')"])
+@pytest.mark.parametrize("code", [
+    "for i in range(200):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))",
+    "for i in range(5000):\n    os.mkdir(f'd{i}')",
+    "for _ in range(8000):\n    os.mkdir('d')\n    os.chdir('d')"])
 def test_the_working_directory_is_bounded_and_cleaned_off_the_callers_time(code):
     import envs.sandbox as sandbox
 
@@ -254,7 +272,8 @@ def test_the_working_directory_is_bounded_and_cleaned_off_the_callers_time(code)
 def test_a_seccomp_kill_says_why_and_keeps_the_output():
     if not isolation()["seccomp"]:
         pytest.skip("no seccomp filter on this machine (it is x86-64 only)")
-    # int 0x80 (the i386 ABI's getpid) from executable memory: not an x86-64 call, so the filter kills
+    # int 0x80 (the i386 ABI's getpid) from executable memory:
+    # not an x86-64 call, so the filter kills
     code = ("import ctypes, mmap\nprint('before')\n"
             "m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
             "m.write(bytes([0xB8, 0x14, 0, 0, 0, 0xCD, 0x80, 0xC3]))\n"
@@ -269,14 +288,17 @@ NO_OS_LAYERS = {"namespaces": [], "mounts": False, "drop_uid": False, "network_i
                 "setup": "C", "note": "forced off by the test"}
 
 
-def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(monkeypatch, tmp_path):
-    # a machine with no namespaces, no Landlock and no seccomp: model-written code is not run half-protected
+def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(
+        monkeypatch, tmp_path):
+    # a machine with no namespaces, no Landlock and no seccomp: model-written
+    # code is not run half-protected
     import envs.sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "isolation", lambda namespaces=True: NO_OS_LAYERS)
     r = run_python("print('RAN')", FAST)
     assert r.error == "refused" and "RAN" not in r.output
-    assert r.output.startswith("Error: ") and "--unsafe-python" in r.output and "forced off" in r.output
+    assert (r.output.startswith("Error: ") and "--unsafe-python" in r.output
+            and "forced off" in r.output)
     # accepted: only rlimits, the process group and the guard protect
     risky = SandboxLimits(**{**FAST.__dict__, "unsafe": True})
     assert run_python("print('RAN')", risky).output == "RAN"
@@ -285,8 +307,10 @@ def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(mo
     target = tmp_path / "evil.txt"
     r = run_python(f"open({str(secret)!r}).read()", risky)
     assert "sandbox: access to" in r.output and "TOP-SECRET" not in r.output
-    r = run_python("import os\nfd = os.open('/proc/self', os.O_RDONLY)\n"  # the guard follows dir_fd
-                   f"os.read(os.open('root' + {str(secret)!r}, os.O_RDONLY, dir_fd=fd), 100)", risky)
+    # the guard follows dir_fd
+    r = run_python("import os\nfd = os.open('/proc/self', os.O_RDONLY)\n"
+                   f"os.read(os.open('root' + {str(secret)!r}, os.O_RDONLY, dir_fd=fd), 100)",
+                   risky)
     assert "sandbox: access to" in r.output and "TOP-SECRET" not in r.output
     r = run_python(f"open({str(target)!r}, 'w').write('x')", risky)
     assert "PermissionError" in r.output and not target.exists()
@@ -297,11 +321,12 @@ def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(mo
     assert "starting processes is disabled" in r.output
 
 
-# --- hostile snippets in the three set-ups: (A) root with namespaces, (B) an ordinary user with user
-# namespaces, (C) no namespaces. Each snippet runs with the python guard off (the kernel layers alone must
-# hold), and after each the "trainer" (the process calling run_python) must be alive and unchanged: same
-# pid, uid, capabilities, cwd, files in its home and working directory. As root, B and C also run as a
-# spare uid (setpriv) with a fresh HOME. The harness is one string so that it runs in both ways.
+# --- hostile snippets in the three set-ups: (A) root with namespaces, (B) an ordinary user with
+# user namespaces, (C) no namespaces. Each snippet runs with the python guard off (the kernel
+# layers alone must hold), and after each the "trainer" (the process calling run_python) must be
+# alive and unchanged: same pid, uid, capabilities, cwd, files in its home and working directory.
+# As root, B and C also run as a spare uid (setpriv) with a fresh HOME. The harness is one string
+# so that it runs in both ways.
 
 HARNESS = r'''
 import json, os, resource, socket, subprocess, sys, time
@@ -606,36 +631,42 @@ _results: dict[str, dict] = {}
 def _spare_uid() -> int:
     import pwd
 
-    for uid in range(39000, 39999):  # no account and no process: nothing this uid can reach but the test's
+    # no account and no process: nothing this uid can reach but the test's
+    for uid in range(39000, 39999):
         try:
             pwd.getpwuid(uid)
         except KeyError:
-            if not any(os.stat(f"/proc/{p}").st_uid == uid for p in filter(str.isdigit, os.listdir("/proc"))
+            if not any(os.stat(f"/proc/{p}").st_uid == uid
+                       for p in filter(str.isdigit, os.listdir("/proc"))
                        if os.path.exists(f"/proc/{p}")):
                 return uid
     raise RuntimeError("no spare uid in 39000-39998")
 
 
 def _world_python() -> str | None:
-    # the spare uid must reach an interpreter: this one, or the system's (the sandbox needs the stdlib only)
+    # the spare uid must reach an interpreter: this one, or the system's
+    # (the sandbox needs the stdlib only)
     from envs.sandbox import _world_traversable
 
     for exe in (sys.executable, "/usr/bin/python3"):
-        if os.path.exists(exe) and _world_traversable(exe) and _world_traversable(os.path.realpath(exe)):
+        if (os.path.exists(exe) and _world_traversable(exe)
+                and _world_traversable(os.path.realpath(exe))):
             return exe
     return None
 
 
 def _fixture_dirs(work: str, owner: int | None) -> dict:
-    # a fresh HOME (with a canary .bashrc) and trainer cwd, both writable by whoever runs the code if the
-    # sandbox let it; a shared folder (0777) with a world-readable secret and the host's unix socket
+    # a fresh HOME (with a canary .bashrc) and trainer cwd, both writable by whoever
+    # runs the code if the sandbox let it; a shared folder (0777) with a world-readable
+    # secret and the host's unix socket
     d = {k: os.path.join(work, k) for k in ("home", "cwd", "shared")}
     for path in d.values():
         os.mkdir(path)
         os.chmod(path, 0o777)
     for path, text, mode in ((os.path.join(d["home"], ".bashrc"), "BASHRC-CANARY\n", 0o666),
                              (os.path.join(d["cwd"], "canary.txt"), "cwd canary\n", 0o666),
-                             (os.path.join(d["shared"], "host.txt"), "a file of the trainer's\n", 0o644)):
+                             (os.path.join(d["shared"], "host.txt"), "a file of the trainer's\n",
+                              0o644)):
         with open(path, "w") as f:
             f.write(text)
         os.chmod(path, mode)
@@ -644,7 +675,8 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
         f.write(secret)
     os.chmod(os.path.join(d["shared"], "secret.txt"), 0o644)
     if owner is not None:
-        for path in [work, *d.values(), *(os.path.join(d[k], n) for k in d for n in os.listdir(d[k]))]:
+        for path in [work, *d.values(),
+                     *(os.path.join(d[k], n) for k in d for n in os.listdir(d[k]))]:
             os.chown(path, owner, owner)
     return {"home": d["home"], "cwd": d["cwd"], "secret": os.path.join(d["shared"], "secret.txt"),
             "secret_text": secret, "socket": os.path.join(d["shared"], "host.sock"),
@@ -652,10 +684,12 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
             "mark": str(7000 + uuid.uuid4().int % 999)}
 
 
-# the sandbox's folders for the hostile runs: on a tmpfs where there is one, since on an ext4 mounted with
-# `discard` each rmdir takes ~3 ms and the 1100-level tree alone took 4 s per set-up (same code either way)
-FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_mode & 0o1777 == 0o1777 \
-    else None
+# the sandbox's folders for the hostile runs: on a tmpfs where there is one, since on an ext4
+# mounted with `discard` each rmdir takes ~3 ms and the 1100-level tree alone took 4 s per
+# set-up (same code either way)
+FAST_TMP = ("/dev/shm"
+            if os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_mode & 0o1777 == 0o1777
+            else None)
 
 
 def _attack(setup: str) -> dict:
@@ -674,7 +708,8 @@ def _attack(setup: str) -> dict:
         pytest.skip("as an ordinary user set-up C is the 'C' case already")
     if not as_spare and setup != "C-root":
         if setup == "B" and isolation()["setup"] != "B":
-            pytest.skip(f"set-up B needs user namespaces; this machine gives set-up {isolation()['setup']}")
+            pytest.skip("set-up B needs user namespaces; "
+                        f"this machine gives set-up {isolation()['setup']}")
         work = tempfile.mkdtemp(prefix="sandbox-attack-")
         os.chmod(work, 0o755)
         try:
@@ -696,49 +731,57 @@ def _attack(setup: str) -> dict:
                     os.environ["HOME"] = old_home
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    # as a spare uid (setpriv); C-root: as root, with an interpreter a spare uid can reach (the sandbox
-    # drops to one; the trainer's own interpreter may be under /root, where it refuses: its own test)
+    # as a spare uid (setpriv); C-root: as root, with an interpreter a spare uid can
+    # reach (the sandbox drops to one; the trainer's own interpreter may be under
+    # /root, where it refuses: its own test)
     python, setpriv = _world_python(), shutil.which("setpriv")
     if python is None or (as_spare and setpriv is None):
-        pytest.skip("as root the unprivileged set-ups need setpriv and an interpreter a spare uid can reach")
+        pytest.skip("as root the unprivileged set-ups need setpriv and "
+                    "an interpreter a spare uid can reach")
     uid = _spare_uid() if as_spare else None
     work = tempfile.mkdtemp(prefix="sandbox-attack-")
     try:
-        spec = {**_fixture_dirs(work, uid), "namespaces": namespaces, "kill_all": as_spare, "trainer": 0}
+        spec = {**_fixture_dirs(work, uid), "namespaces": namespaces, "kill_all": as_spare,
+                "trainer": 0}
         shutil.copy(sandbox.__file__, os.path.join(work, "sandbox.py"))
         harness = os.path.join(work, "harness.py")
         with open(harness, "w") as f:
             f.write(HARNESS)
-        cmd = [setpriv, "--reuid", str(uid), "--regid", str(uid), "--clear-groups"] if as_spare else []
+        cmd = ([setpriv, "--reuid", str(uid), "--regid", str(uid), "--clear-groups"]
+               if as_spare else [])
         cmd += [python, "-I", "-c",
-               "import json, os, sys; spec = json.loads(sys.argv[2]); spec['trainer'] = os.getpid(); "
-               "sys.argv[2] = json.dumps(spec); exec(open(sys.argv[1]).read())", harness]
+               "import json, os, sys; spec = json.loads(sys.argv[2]); "
+               "spec['trainer'] = os.getpid(); sys.argv[2] = json.dumps(spec); "
+               "exec(open(sys.argv[1]).read())", harness]
         env = {"HOME": spec["home"], "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
                **({"TMPDIR": FAST_TMP} if FAST_TMP else {})}
-        p = subprocess.run(cmd + [json.dumps(spec)], cwd=spec["cwd"], capture_output=True, text=True,
-                           timeout=300, env=env)
+        p = subprocess.run(cmd + [json.dumps(spec)], cwd=spec["cwd"], capture_output=True,
+                           text=True, timeout=300, env=env)
         # the harness is the trainer here: it must have lived to print its report
-        assert p.returncode == 0 and p.stdout.strip(), f"the trainer died: {p.returncode}\n{p.stderr[-3000:]}"
+        assert p.returncode == 0 and p.stdout.strip(), (f"the trainer died: {p.returncode}\n"
+                                                        f"{p.stderr[-3000:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home", "dir_fd_guard", "dir_fd",
-         "fork_exec_guard", "fork", "kill_trainer", "trainer_environ", "renice_trainer", "setsid_outlives",
-         "deep_tree", "unix_socket", "memory_fork", "memory_threads", "sigkill", "host_metadata",
-         "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd", "fallocate", "disk_fill", "threads",
-         "flock_host", "dev_pts", "stdout_file", "chmod_top", "abstract_bind", "setflags", "walk_chmod",
-         "hidden_disk", "proc_stat", "proc_net", "getlk", "fadvise", "inherited_fds", "forge_200",
-         "forge_152", "forge_137"]
+CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home", "dir_fd_guard",
+         "dir_fd", "fork_exec_guard", "fork", "kill_trainer", "trainer_environ", "renice_trainer",
+         "setsid_outlives", "deep_tree", "unix_socket", "memory_fork", "memory_threads", "sigkill",
+         "host_metadata", "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd",
+         "fallocate", "disk_fill", "threads", "flock_host", "dev_pts", "stdout_file", "chmod_top",
+         "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
+         "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137"]
 
 
-MOUNT_CASES = ("umount_home", "remount_rw")  # they try to undo the sandbox's mounts: set-up C has none
+# they try to undo the sandbox's mounts: set-up C has none
+MOUNT_CASES = ("umount_home", "remount_rw")
 FLAT_CASES = ("abstract_bind",)  # harmless inside a network namespace: run in set-up C only
 
 
-# As root the trainer's own set-up C is C-root when a spare uid reaches its interpreter, else refused
-# (test_as_root_without_namespaces_code_never_runs_as_uid_0); as a user, C-user and C-root are C itself.
+# As root the trainer's own set-up C is C-root when a spare uid reaches its interpreter,
+# else refused (test_as_root_without_namespaces_code_never_runs_as_uid_0);
+# as a user, C-user and C-root are C itself.
 SETUPS = ("A", "B", "C-user", "C-root") if os.geteuid() == 0 else ("B", "C")
 
 
@@ -750,7 +793,8 @@ def test_hostile_snippet_does_not_escape(setup, case):
         _results[setup] = _attack(setup)
     got = _results[setup]
     if not got["_isolated"]:
-        pytest.skip(f"set-up {setup} is refused here (no kernel isolation): the refusal has its own test")
+        pytest.skip(f"set-up {setup} is refused here (no kernel isolation): "
+                    "the refusal has its own test")
     if setup == "B" and got["_setup"] != "B":
         pytest.skip(f"an ordinary user gets set-up {got['_setup']} here, not user namespaces")
     assert got[case] == [], f"set-up {setup}, {case}: {got[case]}"
@@ -775,17 +819,19 @@ print("zombies", zombies, sandbox.isolation()["setup"], sandbox.isolation(False)
 
 
 def test_a_timed_out_call_leaves_no_zombie_when_the_trainer_is_pid_1(tmp_path):
-    # Docker without --init: the trainer is PID 1, every orphan becomes its child and nobody else reaps
+    # Docker without --init: the trainer is PID 1, every orphan becomes
+    # its child and nobody else reaps
     import shutil
 
     import envs.sandbox as sandbox
 
     python, unshare = _world_python(), shutil.which("unshare")
     if os.geteuid() != 0 or python is None or unshare is None:
-        pytest.skip("needs root (a pid namespace whose PID 1 is the trainer), a python a spare uid reaches")
+        pytest.skip("needs root (a pid namespace whose PID 1 is the trainer), "
+                    "a python a spare uid reaches")
     shutil.copy(sandbox.__file__, tmp_path / "sandbox.py")
-    p = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", python, "-I", "-c", PID1, str(tmp_path)],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", python, "-I", "-c", PID1,
+                        str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split("[")[1].split("]")[0] == "", p.stdout  # set-ups A and C-root both ran
     assert p.stdout.strip().endswith("A C"), p.stdout
