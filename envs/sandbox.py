@@ -1,70 +1,81 @@
-"""A python sandbox for tool calls (ARPO's `<python>` tool; the authors' code runs `python -c`, no limits).
+"""A python sandbox for tool calls (ARPO's `<python>` tool; the authors' code runs `python -c`,
+no limits).
 
 Every call runs in its own process:
 
     trainer thread ──► unshare (net, pid, mount, ipc namespaces; root or a user namespace)
-                         └─► runner (pid 1 of the pid namespace: mounts, watches, stops, reaps, reports)
-                               └─► child: rlimits, privileges dropped, chdir(fresh temp dir), Landlock,
-                                   seccomp, python-level guard, exec(code) with the last expression printed
-The code's stdout and stderr are a pipe the trainer reads (a file would be the code's own, to chmod);
-the trainer stops a call by closing the runner's stdin, and the runner kills and reaps the code, so no
-process is left a zombie even where the trainer is PID 1 (Docker without --init). Verdicts come from
-the trainer's own timer and byte count and from the runner (the code's exit status or signal, its CPU
-time, the disk), on a pipe of the runner's the code does not hold: no exit status the code picks reads
-as "disk", "cpu" or "killed".
+                         └─► runner (pid 1 of the pid namespace:
+                             mounts, watches, stops, reaps, reports)
+                               └─► child: rlimits, privileges dropped, chdir(fresh temp dir),
+                                   Landlock, seccomp, python-level guard,
+                                   exec(code) with the last expression printed
+The code's stdout and stderr are a pipe the trainer reads (a file would be the code's own,
+to chmod); the trainer stops a call by closing the runner's stdin, and the runner kills and reaps
+the code, so no process is left a zombie even where the trainer is PID 1 (Docker without --init).
+Verdicts come from the trainer's own timer and byte count and from the runner (the code's exit
+status or signal, its CPU time, the disk), on a pipe of the runner's the code does not hold: no exit
+status the code picks reads as "disk", "cpu" or "killed".
 
-The three set-ups: (A) root with namespaces, (B) an ordinary user with user namespaces, (C) no namespaces
-(`SandboxLimits(namespaces=False)` forces C, for tests). Layers, each one independent of the others:
+The three set-ups: (A) root with namespaces, (B) an ordinary user with user namespaces,
+(C) no namespaces (`SandboxLimits(namespaces=False)` forces C, for tests).
+Layers, each one independent of the others:
 - wall-clock timeout, RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (any file), output past
   `file_size_mb` stops the call, RLIMIT_NOFILE, no core files; the working directory is bounded to
-  `disk_mb` and `max_files`: with namespaces it is a tmpfs of that size (the kernel counts every block
-  and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds the files
-  the code holds open or mapped once unlinked; past the bound the call is stopped;
-- one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork, vfork, clone
-  without CLONE_THREAD and clone3 (threads still work), so RLIMIT_AS and RLIMIT_CPU hold for the call as
-  a whole without cgroups (which need root or a delegated systemd slice) and nothing can leave the
-  process group;
-- the rest of the seccomp filter: signals only to itself (kill, tgkill, sigqueue; no pidfd), no setsid or
-  setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of itself only (prlimit64,
-  sched_set*, setpriority), no io_uring (it would bypass the filter), no mount/unshare/setns, no
-  sockets but socketpair(AF_UNIX, SOCK_STREAM) -- AF_INET/AF_INET6 too where a network namespace
-  covers them -- so host unix sockets (X11, D-Bus) stay out of reach; no SysV IPC, POSIX message queues
-  or memfd (memory outside RLIMIT_AS, objects that outlive the call), no xattr writes, no file locks or
-  leases (a channel between concurrent calls), no F_GETLK (it names a host lock holder), no F_SETOWN
-  (I/O signals to other processes), no file flags or attributes by ioctl (FS_IOC_SETFLAGS,
-  FS_IOC_FSSETXATTR), no page-cache eviction (fadvise DONTNEED, madvise COLD/PAGEOUT), fallocate
-  "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no chmod, chown or file times, no
-  bind (abstract unix names are the host's), no sendmsg (fds in flight hide files from the disk count),
-  no mkdir without rwx for the owner and no umask that takes them (the runner walks every folder), and
-  with Landlock ABI < 3 no truncate(path) (Landlock has no right for these);
-- privileges dropped after the mounts are set up: as root (A) an unused uid per call, every capability
-  and the bounding set gone; in a user namespace (B) a nested user namespace maps the code to uid 1000
-  and every capability is dropped, so the code is not root and cannot unmount or remount anything;
-  in C as root an unused uid too, which must reach the interpreter (not under /root): where it cannot,
-  the code is not run (uid 0 may chmod, utime and truncate the host's files by name and is not bound by
-  RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child checks /proc/self/status before it runs;
-- Landlock (Linux >= 5.13, unprivileged): reads only of the python installation, /usr, /lib*, a few
-  /etc files, some of /proc/self (not net, not task: without a network namespace the host's sockets;
-  not /proc/stat: a fork counter), the cpu topology and the working directory; writes only to the working
-  directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets out of
-  the domain (ABI >= 6). Kernel-enforced whatever path the code builds (dir_fd, /proc/self/root, ctypes);
+  `disk_mb` and `max_files`: with namespaces it is a tmpfs of that size (the kernel counts every
+  block and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds
+  the files the code holds open or mapped once unlinked; past the bound the call is stopped;
+- one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork,
+  vfork, clone without CLONE_THREAD and clone3 (threads still work), so RLIMIT_AS and RLIMIT_CPU
+  hold for the call as a whole without cgroups (which need root or a delegated systemd slice)
+  and nothing can leave the process group;
+- the rest of the seccomp filter: signals only to itself (kill, tgkill, sigqueue; no pidfd),
+  no setsid or setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of
+  itself only (prlimit64, sched_set*, setpriority), no io_uring (it would bypass the filter),
+  no mount/unshare/setns, no sockets but socketpair(AF_UNIX, SOCK_STREAM) -- AF_INET/AF_INET6 too
+  where a network namespace covers them -- so host unix sockets (X11, D-Bus) stay out of reach;
+  no SysV IPC, POSIX message queues or memfd (memory outside RLIMIT_AS, objects that outlive
+  the call), no xattr writes, no file locks or leases (a channel between concurrent calls),
+  no F_GETLK (it names a host lock holder), no F_SETOWN (I/O signals to other processes),
+  no file flags or attributes by ioctl (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR), no page-cache
+  eviction (fadvise DONTNEED, madvise COLD/PAGEOUT), fallocate "not supported" (libc then writes,
+  under RLIMIT_FSIZE); in C also no chmod, chown or file times, no bind (abstract unix names are the
+  host's), no sendmsg (fds in flight hide files from the disk count), no mkdir without rwx for the
+  owner and no umask that takes them (the runner walks every folder), and with Landlock ABI < 3 no
+  truncate(path) (Landlock has no right for these);
+- privileges dropped after the mounts are set up: as root (A) an unused uid per call, every
+  capability and the bounding set gone; in a user namespace (B) a nested user namespace maps the
+  code to uid 1000 and every capability is dropped, so the code is not root and cannot unmount
+  or remount anything; in C as root an unused uid too, which must reach the interpreter (not
+  under /root): where it cannot, the code is not run (uid 0 may chmod, utime and truncate the
+  host's files by name and is not bound by RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child
+  checks /proc/self/status before it runs;
+- Landlock (Linux >= 5.13, unprivileged): reads only of the python installation, /usr, /lib*,
+  a few /etc files, some of /proc/self (not net, not task: without a network namespace the
+  host's sockets; not /proc/stat: a fork counter), the cpu topology and the working directory;
+  writes only to the working directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals
+  or abstract unix sockets out of the domain (ABI >= 6). Kernel-enforced whatever path the code
+  builds (dir_fd, /proc/self/root, ctypes);
 - a fresh temporary working directory (also HOME and TMPDIR), a scrubbed environment; it is removed
-  without recursion and without following symlinks, whatever the code left in it (deep trees, chmod 000
-  folders, the top one too), by a background thread
-  (`wait_for_cleanup`), so a call takes its timeout plus a small constant;
-- namespaces where the OS allows them: no network (a new network namespace has only a loopback device
-  that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the runner exits the
-  kernel kills every process left in it), a private mount namespace in which home directories and the
-  trainer's working directory are covered by an empty tmpfs (the python installation is bound back),
-  so is /dev/pts (the trainer's terminals), and every mount is read-only except the sandbox's own
-  directory, the call's own tmpfs (nosuid, nodev): nothing the code writes reaches the host's disk;
-- a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory and the
-  python installation (dir_fd included), writes outside the working directory, sockets and new
-  processes. It is not a security boundary (ctypes goes around it); it gives the model clear messages.
-Where the kernel gives no file isolation (no mount namespace, no Landlock), no process isolation (no
-namespaces, no seccomp) or, as root, no spare uid, `run_python` refuses to run code unless
-`SandboxLimits(unsafe=True)` accepts the risk. `isolation()` reports which layers this machine provides.
-Nothing here raises on bad code: the caller gets the output, or an error string that says what happened.
+  without recursion and without following symlinks, whatever the code left in it (deep trees,
+  chmod 000 folders, the top one too), by a background thread (`wait_for_cleanup`), so a call
+  takes its timeout plus a small constant;
+- namespaces where the OS allows them: no network (a new network namespace has only a loopback
+  device that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the
+  runner exits the kernel kills every process left in it), a private mount namespace in which
+  home directories and the trainer's working directory are covered by an empty tmpfs (the python
+  installation is bound back), so is /dev/pts (the trainer's terminals), and every mount is
+  read-only except the sandbox's own directory, the call's own tmpfs (nosuid, nodev): nothing
+  the code writes reaches the host's disk;
+- a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory
+  and the python installation (dir_fd included), writes outside the working directory,
+  sockets and new processes. It is not a security boundary (ctypes goes around it);
+  it gives the model clear messages.
+Where the kernel gives no file isolation (no mount namespace, no Landlock), no process
+isolation (no namespaces, no seccomp) or, as root, no spare uid, `run_python` refuses
+to run code unless `SandboxLimits(unsafe=True)` accepts the risk. `isolation()` reports
+which layers this machine provides.
+Nothing here raises on bad code: the caller gets the output,
+or an error string that says what happened.
 """
 
 from __future__ import annotations
@@ -127,7 +138,8 @@ class SandboxResult:
 # verdict (the code's exit status or signal, CPU used, disk over) goes to the trainer on a pipe of
 # its own, closed in the code's process, so no exit status the code chooses reads as a verdict.
 RUNNER = r'''
-import ast, ctypes, json, linecache, os, posix, re, resource, select, signal, stat, struct, sys, traceback
+import ast, ctypes, json, linecache, os, posix, re, resource, select, signal, stat, struct, sys, \
+    traceback
 cfg = json.loads(sys.argv[1])
 
 def read_exactly(n):
@@ -146,7 +158,8 @@ libc = ctypes.CDLL(None, use_errno=True)
 L = ctypes.c_long
 
 def need(ok, what):
-    # a layer that was asked for and did not apply stops the call: the code never runs half-protected
+    # a layer that was asked for and did not apply stops the call:
+    # the code never runs half-protected
     if not ok:
         err = ctypes.get_errno()
         why = os.strerror(err) if err else "failed"
@@ -154,12 +167,14 @@ def need(ok, what):
         os._exit(70)
 
 def private_mounts():
-    # Private mount namespace. Home directories are covered by an empty tmpfs, with only the paths the
-    # code needs (the python installation, the working dir) bound back; the working dir is a tmpfs of
-    # its own (the kernel bounds its size and entries, unlinked files included; nothing the code makes
-    # reaches the host's disk); the trainer's terminals (/dev/pts) are covered; then every mount is
-    # made read-only except the working dir. None of this is visible outside the namespace.
-    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+    # Private mount namespace. Home directories are covered by an empty tmpfs, with only the paths
+    # the code needs (the python installation, the working dir) bound back; the working dir is a
+    # tmpfs of its own (the kernel bounds its size and entries, unlinked files included; nothing the
+    # code makes reaches the host's disk); the trainer's terminals (/dev/pts) are covered; then
+    # every mount is made read-only except the working dir.
+    # None of this is visible outside the namespace.
+    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = (
+        1, 2, 4, 8, 32, 4096, 16384)
     keep = [wd] + [os.path.realpath(p) for p in cfg["keep"]]
     for hidden in cfg["hide"]:
         if not os.path.isdir(hidden):
@@ -177,8 +192,9 @@ def private_mounts():
     need(libc.mount(b"tmpfs", wd.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) == 0,
          "the working directory's tmpfs")
     if os.path.isdir("/dev/pts"):
-        need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                        b"size=4k,mode=0755") == 0, "a cover over /dev/pts")
+        need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs",
+                        MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755") == 0,
+             "a cover over /dev/pts")
     unescape = lambda m: bytes([int(m.group(1), 8)])  # /proc/self/mounts writes " " as \040
     mounts = open("/proc/self/mounts", "rb").read().splitlines()
     for t in [re.sub(rb"\\([0-7]{3})", unescape, line.split()[1]) for line in mounts]:
@@ -191,56 +207,64 @@ def drop_privileges():
     root = os.geteuid() == 0
     if root:
         if cfg["userns"]:
-            # B: a nested user namespace maps the code to uid 1000; the runner stays root of the outer
-            # one, which owns the mounts, so nothing the code does in its own can undo them
+            # B: a nested user namespace maps the code to uid 1000; the runner stays root of the
+            # outer one, which owns the mounts, so nothing the code does in its own can undo them
             need(libc.unshare(0x10000000) == 0, "a nested user namespace")
-            for name, text in (("setgroups", "deny"), ("uid_map", "1000 0 1"), ("gid_map", "1000 0 1")):
+            for name, text in (("setgroups", "deny"), ("uid_map", "1000 0 1"),
+                               ("gid_map", "1000 0 1")):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
         last = int(open("/proc/sys/kernel/cap_last_cap").read())
         for cap in range(last + 1):
-            need(libc.prctl(PR_CAPBSET_DROP, L(cap), L(0), L(0), L(0)) == 0, "the capability bounding set")
+            need(libc.prctl(PR_CAPBSET_DROP, L(cap), L(0), L(0), L(0)) == 0,
+                 "the capability bounding set")
         if cfg["uid"] is not None:  # A: an unused uid; the switch from root clears every capability
             os.setgroups([])
             os.setgid(cfg["uid"])
             os.setuid(cfg["uid"])
         else:  # root's special cases off and locked: no capabilities come back at exec or setuid
             need(libc.prctl(PR_SET_SECUREBITS, L(0x2F), L(0), L(0), L(0)) == 0, "securebits")
-        none = ctypes.create_string_buffer(24)  # effective, permitted, inheritable: empty (2 x 32 bits)
-        need(libc.capset(ctypes.c_char_p(struct.pack("Ii", 0x20080522, 0)), none) == 0, "capabilities")
+        # effective, permitted, inheritable: empty (2 x 32 bits)
+        none = ctypes.create_string_buffer(24)
+        need(libc.capset(ctypes.c_char_p(struct.pack("Ii", 0x20080522, 0)), none) == 0,
+             "capabilities")
         need(libc.prctl(PR_CAP_AMBIENT, L(4), L(0), L(0), L(0)) == 0, "ambient capabilities")
     need(libc.prctl(PR_SET_NO_NEW_PRIVS, L(1), L(0), L(0), L(0)) == 0, "no_new_privs")
     status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines()
                   if ":\t" in line)
-    held = [k for k in ("CapEff", "CapPrm", "CapAmb") + (("CapBnd",) if root else ()) if int(status[k], 16)]
+    held = [k for k in ("CapEff", "CapPrm", "CapAmb") + (("CapBnd",) if root else ())
+            if int(status[k], 16)]
     need(not held and status["NoNewPrivs"].strip() == "1", f"privilege drop (still held: {held})")
     need(os.geteuid() != 0 or cfg["unsafe"], "privilege drop (still uid 0)")
 
-ETC = ["/etc/localtime", "/etc/timezone", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
-       "/etc/os-release", "/etc/mime.types", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts",
-       "/etc/ssl", "/etc/ca-certificates", "/etc/fonts", "/etc/matplotlibrc", "/etc/alternatives"]
+ETC = ["/etc/localtime", "/etc/timezone", "/etc/ld.so.cache", "/etc/ld.so.conf",
+       "/etc/ld.so.conf.d", "/etc/os-release", "/etc/mime.types", "/etc/passwd", "/etc/group",
+       "/etc/nsswitch.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates", "/etc/fonts",
+       "/etc/matplotlibrc", "/etc/alternatives"]
 # of /proc/self not net (without a network namespace: the host's sockets) nor task (task/N/net);
 # not /proc/stat (its fork counter: a channel from one call to the next)
-PROC_SELF = ["/proc/self/" + name for name in ("fd", "fdinfo", "status", "stat", "statm", "maps", "smaps",
-                                               "cmdline", "exe", "environ", "limits", "auxv", "comm",
-                                               "cgroup", "mounts", "mountinfo", "io")]
+PROC_SELF = ["/proc/self/" + name for name in (
+    "fd", "fdinfo", "status", "stat", "statm", "maps", "smaps", "cmdline", "exe", "environ",
+    "limits", "auxv", "comm", "cgroup", "mounts", "mountinfo", "io")]
 SYSTEM = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc/cpuinfo", "/proc/meminfo",
           "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"] + PROC_SELF + ETC
 
 def landlock():
     # reads: the python installation and system files; writes: the working dir and /dev/null
     abi = cfg["landlock"]
-    fs = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # every file-system right this ABI knows
+    # every file-system right this ABI knows
+    fs = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1
     attr = struct.pack("QQQ", fs, 3, 3)[:8 if abi < 4 else 16 if abi < 6 else 24]  # + TCP, + scopes
     ruleset = libc.syscall(L(444), ctypes.c_char_p(attr), L(len(attr)), L(0))
     need(ruleset >= 0, "Landlock")
     EXECUTE, WRITE, READ, READ_DIR, TRUNCATE, IOCTL_DEV = 1, 2, 4, 8, 1 << 14, 1 << 15
     protect = [p.rstrip("/") + "/" for p in cfg["protect"]]
-    py = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+    py = [sys.prefix, sys.base_prefix, sys.exec_prefix,
+          os.path.dirname(os.path.realpath(sys.executable)),
           os.path.dirname(os.__file__)] + [p for p in sys.path if p]
     # never a whole home or project folder (an editable install could put one on sys.path)
-    py = [p for p in map(os.path.realpath, py) if p != "/" and not any(h.startswith(p.rstrip("/") + "/")
-                                                                         for h in protect)]
+    py = [p for p in map(os.path.realpath, py)
+          if p != "/" and not any(h.startswith(p.rstrip("/") + "/") for h in protect)]
     rules = [(p, READ | READ_DIR | EXECUTE) for p in py + SYSTEM]
     rules += [("/dev/null", READ | WRITE | TRUNCATE | IOCTL_DEV), (wd, fs)]
     for path, access in rules:
@@ -260,7 +284,8 @@ def seccomp():
     # classic BPF over seccomp_data (nr at 0, arch at 4, args at 16 + 8 i; the low 32 bits suffice:
     # pids, flags and address families are ints). x86-64 numbers.
     me = os.getpid()
-    ALLOW, KILL, DENY, NOSYS = 0x7FFF0000, 0x80000000, 0x50000 | 1, 0x50000 | 38  # ERRNO: EPERM, ENOSYS
+    ALLOW, KILL, DENY, NOSYS = (0x7FFF0000, 0x80000000,
+                                0x50000 | 1, 0x50000 | 38)  # ERRNO: EPERM, ENOSYS
     ld = lambda off: (0x20, 0, 0, off)
     jeq = lambda k, jt, jf: (0x15, jt, jf, k)
     jset = lambda k, jt, jf: (0x45, jt, jf, k)
@@ -268,79 +293,98 @@ def seccomp():
     arg = lambda i: ld(16 + 8 * i)
     only = lambda nr, *body: [jeq(nr, 0, len(body)), *body]
     # syscall nr with argument i equal to one of values: EPERM
-    refuse = lambda nr, i, values: only(nr, arg(i), *[jeq(v, len(values) - j, 0)
-                                                      for j, v in enumerate(values)], ret(ALLOW), ret(DENY))
-    prog = [ld(4), jeq(0xC000003E, 1, 0), ret(KILL), ld(0), (0x35, 0, 1, 0x40000000), ret(DENY)]  # x32: no
-    for nr in (62, 234, 129, 297):  # kill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo: to itself only
+    refuse = lambda nr, i, values: only(nr, arg(i),
+                                        *[jeq(v, len(values) - j, 0) for j, v in enumerate(values)],
+                                        ret(ALLOW), ret(DENY))
+    prog = [ld(4), jeq(0xC000003E, 1, 0), ret(KILL),
+            ld(0), (0x35, 0, 1, 0x40000000), ret(DENY)]  # x32: no
+    # kill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo: to itself only
+    for nr in (62, 234, 129, 297):
         prog += only(nr, arg(0), jeq(me, 0, 1), ret(ALLOW), ret(DENY))
-    # prlimit64, sched_setparam/setscheduler/setaffinity/setattr, migrate_pages, move_pages: itself (0 or
-    # its pid) only -- the trainer's limits, priority and CPUs are not the code's to change
+    # prlimit64, sched_setparam/setscheduler/setaffinity/setattr, migrate_pages, move_pages: itself
+    # (0 or its pid) only -- the trainer's limits, priority and CPUs are not the code's to change
     for nr in (302, 142, 144, 203, 314, 256, 279):
         prog += only(nr, arg(0), jeq(0, 1, 0), jeq(me, 0, 1), ret(ALLOW), ret(DENY))
     # setpriority (nice): PRIO_PROCESS of itself only
-    prog += only(141, arg(0), jeq(0, 0, 4), arg(1), jeq(0, 1, 0), jeq(me, 0, 1), ret(ALLOW), ret(DENY))
-    # clone: threads only (CLONE_THREAD, no CLONE_NEW* flag); clone3 hides its flags: ENOSYS, libc falls back
+    prog += only(141, arg(0), jeq(0, 0, 4), arg(1), jeq(0, 1, 0), jeq(me, 0, 1),
+                 ret(ALLOW), ret(DENY))
+    # clone: threads only (CLONE_THREAD, no CLONE_NEW* flag);
+    # clone3 hides its flags: ENOSYS, libc falls back
     prog += only(56, arg(0), jset(0x7E020080, 2, 0), jset(0x10000, 0, 1), ret(ALLOW), ret(DENY))
     prog += only(435, ret(NOSYS))
-    inet = ALLOW if cfg["net_ns"] else DENY  # AF_INET/AF_INET6 only inside an empty network namespace
+    # AF_INET/AF_INET6 only inside an empty network namespace
+    inet = ALLOW if cfg["net_ns"] else DENY
     prog += only(41, arg(0), jeq(2, 1, 0), jeq(10, 0, 1), ret(inet), ret(DENY))
-    prog += only(53, arg(1), (0x54, 0, 0, 0xF), jeq(1, 0, 1), ret(ALLOW), ret(DENY))  # socketpair: stream
+    # socketpair: stream
+    prog += only(53, arg(1), (0x54, 0, 0, 0xF), jeq(1, 0, 1), ret(ALLOW), ret(DENY))
     denied = [57, 58,  # fork, vfork
               200, 424, 434, 438,  # tkill, pidfd_send_signal, pidfd_open, pidfd_getfd
               112, 109,  # setsid, setpgid: the process group is how the call is ended
               101, 310, 311, 312,  # ptrace, process_vm_readv/writev, kcmp
               425, 426, 427,  # io_uring (its requests are not seen by this filter)
-              272, 308, 165, 166, 155, 161, 428, 429, 430, 431, 432, 433, 442,  # namespaces and mounts
-              321, 298, 323, 250, 248, 249, 175, 313, 176, 246, 320, 172, 173, 304, 303,  # bpf ... by_handle
-              251, 440, 448, 254, 300, 301, 103]  # ioprio_set, process_madvise/mrelease, (fa)notify, syslog
-    # the host's SysV IPC and POSIX message queues (set-up C has no ipc namespace), memfd: memory outside
-    # RLIMIT_AS; xattr writes: Landlock does not cover them (a note one call leaves for the next)
-    denied += [29, 30, 31, 64, 65, 66, 67, 68, 69, 70, 71, 220, 240, 241, 242, 243, 244, 245, 319, 447,
+              # namespaces and mounts
+              272, 308, 165, 166, 155, 161, 428, 429, 430, 431, 432, 433, 442,
+              # bpf ... by_handle
+              321, 298, 323, 250, 248, 249, 175, 313, 176, 246, 320, 172, 173, 304, 303,
+              # ioprio_set, process_madvise/mrelease, (fa)notify, syslog
+              251, 440, 448, 254, 300, 301, 103]
+    # the host's SysV IPC and POSIX message queues (set-up C has no ipc namespace),
+    # memfd: memory outside RLIMIT_AS; xattr writes: Landlock does not cover them
+    # (a note one call leaves for the next)
+    denied += [29, 30, 31, 64, 65, 66, 67, 68, 69, 70, 71, 220,
+               240, 241, 242, 243, 244, 245, 319, 447,
                188, 189, 190, 197, 198, 199, 463, 466,
                73]  # flock: a lock on a readable host file is a channel between concurrent calls
     denied += [76] if cfg["landlock"] < 3 else []  # truncate(path): Landlock covers it from ABI 3
-    if not cfg["mounts"]:  # C: no read-only mounts, and Landlock has no right for chmod, chown, file times
+    # C: no read-only mounts, and Landlock has no right for chmod, chown, file times
+    if not cfg["mounts"]:
         denied += [90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280]
-        # no network namespace: bind would take an abstract unix name from the host (Landlock scopes
-        # connect only); sendmsg, sendmmsg: fds in flight (SCM_RIGHTS) would hide files from the disk count
+        # no network namespace: bind would take an abstract unix name from the host
+        # (Landlock scopes connect only); sendmsg, sendmmsg: fds in flight (SCM_RIGHTS)
+        # would hide files from the disk count
         denied += [49, 46, 307]
-        # no folder the runner cannot read (it counts the disk by walking): mkdir needs rwx for the owner,
-        # umask may not take them away (chmod is refused above)
+        # no folder the runner cannot read (it counts the disk by walking): mkdir needs rwx for the
+        # owner, umask may not take them away (chmod is refused above)
         prog += only(83, arg(1), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
         prog += only(258, arg(2), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
         prog += only(95, arg(0), jset(0o700, 1, 0), ret(ALLOW), ret(DENY))
     for nr in denied:
         prog += only(nr, ret(DENY))
-    # fcntl: no record locks or leases (the flock channel again), no signal owner (F_SETOWN + F_SETSIG
-    # would send SIGKILL on I/O to any process of the same uid; Landlock scopes signals from ABI 6 only),
-    # no F_GETLK / F_OFD_GETLK (they name the host process that holds a lock on a readable file)
+    # fcntl: no record locks or leases (the flock channel again), no signal owner
+    # (F_SETOWN + F_SETSIG would send SIGKILL on I/O to any process of the same uid; Landlock
+    # scopes signals from ABI 6 only), no F_GETLK / F_OFD_GETLK (they name the host process that
+    # holds a lock on a readable file)
     prog += refuse(72, 1, (6, 7, 37, 38, 1024, 8, 10, 15, 1026, 5, 36))
     # ioctl: FIOSETOWN, SIOCSPGRP (F_SETOWN's other spellings); file flags and attributes (NODUMP,
-    # NOATIME, SYNC, project ids: FS_IOC_SETFLAGS, its 32-bit form, FS_IOC_FSSETXATTR, FS_IOC_SETVERSION)
-    # of any file the code owns -- Landlock's ioctl right covers devices only
-    prog += refuse(16, 1, (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602))
+    # NOATIME, SYNC, project ids: FS_IOC_SETFLAGS, its 32-bit form, FS_IOC_FSSETXATTR,
+    # FS_IOC_SETVERSION) of any file the code owns -- Landlock's ioctl right covers devices only
+    prog += refuse(16, 1, (0x8901, 0x8902,
+                           0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602))
     # page cache of host files: fadvise DONTNEED, madvise COLD and PAGEOUT evict what others read
     prog += refuse(221, 3, (4,))
     prog += refuse(28, 2, (20, 21))
-    # fallocate reserves disk without writing: "not supported" makes libc's posix_fallocate write instead
+    # fallocate reserves disk without writing:
+    # "not supported" makes libc's posix_fallocate write instead
     prog += only(285, ret(0x50000 | 95))
     prog.append(ret(ALLOW))
     filt = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
     fprog = ctypes.create_string_buffer(struct.pack("HQ", len(prog), ctypes.addressof(filt)))
-    need(libc.prctl(22, L(2), fprog, L(0), L(0)) == 0, "seccomp")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    need(libc.prctl(22, L(2), fprog, L(0), L(0)) == 0, "seccomp")
 
 if cfg["mounts"]:
     private_mounts()
 
 def disk_over(pid):
     limit = cfg["disk_mb"] * MB
-    if cfg["mounts"]:  # the call's own tmpfs: the kernel counts every block and entry, held files too
+    # the call's own tmpfs: the kernel counts every block and entry, held files too
+    if cfg["mounts"]:
         st = os.statvfs(wd)
         used, entries = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree - 1
         return used > limit or entries > cfg["max_files"]
-    # C: the working dir is on the host's disk: walked (read only: the runner changes nothing there, as
-    # a folder's path may be swapped for a symlink to a host folder), plus the files the code holds
-    # open or mapped once unlinked (O_TMPFILE too), which no walk sees
+    # C: the working dir is on the host's disk: walked (read only: the runner changes nothing there,
+    # as a folder's path may be swapped for a symlink to a host folder), plus the files the code
+    # holds open or mapped once unlinked (O_TMPFILE too), which no walk sees
     used, entries, todo, seen = 0, 0, [wd], set()
     while todo:
         d = todo.pop()
@@ -354,7 +398,8 @@ def disk_over(pid):
                         todo.append(e.path)
         except FileNotFoundError:
             pass
-        except OSError:  # unreadable (seccomp keeps the owner's rwx) or past PATH_MAX: not measurable
+        except OSError:
+            # unreadable (seccomp keeps the owner's rwx) or past PATH_MAX: not measurable
             return True
         if used > limit or entries > cfg["max_files"]:
             return True
@@ -391,7 +436,8 @@ if pid:  # pid 1 of the namespace: watch, stop, reap, then report; exiting kills
     while True:
         got, status, usage = os.wait4(pid, os.WNOHANG)
         if got == pid:
-            if disk_over(None):  # what it left: a tmpfs written full (ENOSPC), a walk over the limit
+            # what it left: a tmpfs written full (ENOSPC), a walk over the limit
+            if disk_over(None):
                 verdict["disk"] = True
             break
         over = disk_over(pid)
@@ -448,7 +494,8 @@ def guard(event, args):
         if isinstance(path, int):
             return
         writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-            mode is None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+            mode is None
+            and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
         check(where(path), WRITE if writes else READ)
     elif event == "sandbox.open":  # os.open with a dir_fd (the "open" event does not carry it)
         path, flags, dir_fd = args
@@ -471,18 +518,20 @@ def open_at(path, flags, mode=0o777, *, dir_fd=None, _open=os.open):
     return _open(path, flags, mode, dir_fd=dir_fd)
 
 # (path index, its dir_fd index) of each write event's arguments
-WRITE_EVENTS = {"os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)], "os.chmod": [(0, 2)],
-                "os.chown": [(0, 3)], "os.truncate": [(0, None)], "os.utime": [(0, 3)],
-                "shutil.rmtree": [(0, 1)], "os.rename": [(0, 2), (1, 3)], "os.link": [(0, 2), (1, 3)],
-                "os.symlink": [(0, None), (1, 2)], "shutil.copyfile": [(0, None), (1, None)],
-                "shutil.copymode": [(0, None), (1, None)], "shutil.copystat": [(0, None), (1, None)],
+WRITE_EVENTS = {"os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)],
+                "os.chmod": [(0, 2)], "os.chown": [(0, 3)], "os.truncate": [(0, None)],
+                "os.utime": [(0, 3)], "shutil.rmtree": [(0, 1)], "os.rename": [(0, 2), (1, 3)],
+                "os.link": [(0, 2), (1, 3)], "os.symlink": [(0, None), (1, 2)],
+                "shutil.copyfile": [(0, None), (1, None)],
+                "shutil.copymode": [(0, None), (1, None)],
+                "shutil.copystat": [(0, None), (1, None)],
                 "shutil.move": [(0, None), (1, None)]}
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
                   "subprocess.Popen"}
 WRITE = [wd, "/dev/null"]
-READ = [wd, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__), "/usr", "/lib",
-        "/lib64", "/etc", "/dev/null", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/cpuinfo",
-        "/proc/meminfo", "/sys/devices/system/cpu"] + [p for p in sys.path if p]
+READ = [wd, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__), "/usr",
+        "/lib", "/lib64", "/etc", "/dev/null", "/dev/urandom", "/dev/zero", "/proc/self",
+        "/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu"] + [p for p in sys.path if p]
 READ = [os.path.realpath(p) for p in READ]
 
 def report(e):
@@ -490,7 +539,8 @@ def report(e):
     frames = list(traceback.extract_tb(e.__traceback__))
     first = next((i for i, f in enumerate(frames) if f.filename == "<sandbox>"), len(frames))
     frames = [f for f in frames[first:] if f.filename != "<string>"]
-    head = ["Traceback (most recent call last):\n", *traceback.format_list(frames)] if frames else []
+    head = (["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+            if frames else [])
     sys.stderr.write("".join(head + traceback.format_exception_only(type(e), e)))
 
 def run(src):
@@ -513,7 +563,8 @@ try:
     run(code)
 except MemoryError:
     sys.stdout.flush()
-    print(f"MemoryError: the sandbox memory limit ({cfg['memory_mb']} MB) was exceeded", file=sys.stderr)
+    print(f"MemoryError: the sandbox memory limit ({cfg['memory_mb']} MB) was exceeded",
+          file=sys.stderr)
     os._exit(1)
 except SystemExit as e:
     sys.stdout.flush()
@@ -568,7 +619,8 @@ def _is_system_dir(path: str) -> bool:
 
 
 def _kernel_layers() -> dict:
-    """Landlock's ABI version (0: none) and whether the seccomp filter applies (its numbers are x86-64's)."""
+    """Landlock's ABI version (0: none) and whether the seccomp filter applies
+    (its numbers are x86-64's)."""
     libc = ctypes.CDLL(None, use_errno=True)
     abi = libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1))  # ..._VERSION
     seccomp = platform.machine() == "x86_64" and libc.prctl(21, 0, 0, 0, 0) >= 0  # PR_GET_SECCOMP
@@ -711,7 +763,8 @@ MB = 1024 * 1024
 
 
 class _Output:
-    """What the code printed, as the trainer reads it from the pipe: its head, its tail and its size."""
+    """What the code printed, as the trainer reads it from the pipe:
+    its head, its tail and its size."""
 
     def __init__(self, keep: int):
         self.keep, self.head, self.tail, self.size = keep, bytearray(), bytearray(), 0
@@ -739,10 +792,10 @@ class _Output:
 
 def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s: float, cap: int,
              keep: int) -> tuple[_Output, str | None, dict | None, int | None]:
-    """Run the runner: (the output, the trainer's own stop: None, "timeout" or "output", the runner's
-    verdict or None, the exit status). stdout is a pipe the trainer reads (a file would be the code's
-    to chmod, a set-uid executable on the host); the stop is asked of the runner, which kills and reaps
-    the code, so nothing is left a zombie even where the trainer is PID 1."""
+    """Run the runner: (the output, the trainer's own stop: None, "timeout" or "output", the
+    runner's verdict or None, the exit status). stdout is a pipe the trainer reads (a file would
+    be the code's to chmod, a set-uid executable on the host); the stop is asked of the runner,
+    which kills and reaps the code, so nothing is left a zombie even where the trainer is PID 1."""
     vr, vw = os.pipe()
     cfg = {**cfg, "verdict_fd": vw}
     try:
@@ -828,9 +881,9 @@ def wait_for_cleanup() -> None:
 
 
 def _remove_tree(top: str) -> None:
-    """`rm -rf top` that never raises: no recursion and no long paths (one fd per level, walked down and
-    back up), whatever depth the code built; folders it made unreadable (chmod 000), the top one too, are
-    opened up first, never through a symlink."""
+    """`rm -rf top` that never raises: no recursion and no long paths (one fd per level, walked down
+    and back up), whatever depth the code built; folders it made unreadable (chmod 000), the top one
+    too, are opened up first, never through a symlink."""
     _open_up(top)
     try:
         fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -975,6 +1028,7 @@ def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limit
 
 def run_python_many(codes: list[str], limits: SandboxLimits = SandboxLimits(),
                     max_workers: int = 8) -> list[SandboxResult]:
-    """Run several snippets at once; threads only wait on child processes, so the trainer keeps going."""
+    """Run several snippets at once; threads only wait on child processes,
+    so the trainer keeps going."""
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(codes)))) as pool:
         return list(pool.map(lambda c: run_python(c, limits), codes))

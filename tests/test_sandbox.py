@@ -1,5 +1,5 @@
-"""The python sandbox against hostile snippets: each ends with a clear error, the trainer is unharmed and
-nothing outside the sandbox changes. Short limits keep every test at a few seconds."""
+"""The python sandbox against hostile snippets: each ends with a clear error, the trainer is
+unharmed and nothing outside the sandbox changes. Short limits keep every test at a few seconds."""
 
 import json
 import os
@@ -336,10 +336,13 @@ PRE = "import ctypes, os, struct, sys, time\nlibc = ctypes.CDLL(None, use_errno=
 def cases(spec):
     targets = [spec["hostfile"], spec["home"] + "/.bashrc", spec["cwd"] + "/canary.txt"]
     host_metadata = (f"for p in {targets!r}:\n"
-                     "    b = p.encode()\n    libc.chmod(b, 0o4755)\n    libc.utimensat(-100, b, None, 0)\n"
+                     "    b = p.encode()\n    libc.chmod(b, 0o4755)\n"
+                     "    libc.utimensat(-100, b, None, 0)\n"
                      "    libc.truncate(b, ctypes.c_long(0))\n    try:\n"
-                     "        os.setxattr(p, 'user.leak', b'answer=42')\n    except OSError:\n        pass")
-    home, cwd, secret, sock, mark = spec["home"], spec["cwd"], spec["secret"], spec["socket"], spec["mark"]
+                     "        os.setxattr(p, 'user.leak', b'answer=42')\n"
+                     "    except OSError:\n        pass")
+    home, cwd, secret, sock, mark = (spec["home"], spec["cwd"], spec["secret"], spec["socket"],
+                                     spec["mark"])
     kill = f"os.kill({spec['trainer']}, 9)" + ("\nos.kill(-1, 9)" if spec["kill_all"] else "")
     fork_exec = (
         "import _posixsubprocess\nr, w = os.pipe()\n"
@@ -349,58 +352,70 @@ def cases(spec):
         "except TypeError:\n    print('ESCAPE fork_exec', _posixsubprocess.fork_exec(*a[:-1]))\n")
     return {
         # (B) the mounts that hide the home folder and make everything read-only cannot be undone
-        "umount_home": (f"for t in [{home!r}] + [l.split()[1] for l in open('/proc/self/mounts')][::-1]:\n"
-                        "    if libc.umount2(t.encode(), 2) == 0:\n        print('ESCAPE umount', t)\n"
+        "umount_home": (f"for t in [{home!r}] + "
+                        "[l.split()[1] for l in open('/proc/self/mounts')][::-1]:\n"
+                        "    if libc.umount2(t.encode(), 2) == 0:\n"
+                        "        print('ESCAPE umount', t)\n"
                         f"print(open({home!r} + '/.bashrc').read())", {}, "ns"),
         "remount_rw": ("for t in [l.split()[1] for l in open('/proc/self/mounts')]:\n"
                        "    if libc.mount(None, t.encode(), None, 32 | 4096, None) == 0:\n"
                        "        print('ESCAPE remount', t)", {}, "ns"),
-        "privileges": ("s = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines())\n"
+        "privileges": ("s = dict(l.split(':\\t') "
+                       "for l in open('/proc/self/status').read().splitlines())\n"
                        "caps = [k for k in ('CapEff', 'CapPrm', 'CapAmb') if int(s[k], 16)]\n"
                        "print('ESCAPE caps', caps) if caps or s['NoNewPrivs'] != '1' else None\n"
                        "print('ESCAPE root') if os.geteuid() == 0 else None", {},
                        "all"),
         # ctypes writes to the real ~/.bashrc and the trainer's working directory; reads of home
         "ctypes_write": ("for t in [l.split()[1] for l in open('/proc/self/mounts')][::-1]:\n"
-                         "    libc.umount2(t.encode(), 2)\n"  # uncover them and make them writable, if it can
+                         # uncover them and make them writable, if it can
+                         "    libc.umount2(t.encode(), 2)\n"
                          "for t in [l.split()[1] for l in open('/proc/self/mounts')]:\n"
                          "    libc.mount(None, t.encode(), None, 32 | 4096, None)\n"
                          f"for p in ({home!r} + '/.bashrc', {cwd!r} + '/evil.txt'):\n"
-                         "    fd = libc.open(p.encode(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)\n"
+                         "    fd = libc.open(p.encode(), "
+                         "os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)\n"
                          "    if fd >= 0:\n        libc.write(fd, b'pwned\\n', 6)", {}, "all"),
         "read_home": (f"print(open({home!r} + '/.bashrc').read())", {}, "all"),
         # (A, B) the audit-hook bypass through dir_fd, with the guard on and off
         "dir_fd_guard": (f"fd = os.open('/proc/self', os.O_RDONLY)\n"
-                         f"print(os.read(os.open('root' + {secret!r}, os.O_RDONLY, dir_fd=fd), 100))",
+                         f"print(os.read(os.open('root' + {secret!r}, "
+                         "os.O_RDONLY, dir_fd=fd), 100))",
                          {"guard": True}, "all"),
         "dir_fd": (f"fd = os.open('/proc/self', os.O_RDONLY)\n"
-                   f"print(os.read(os.open('root' + {secret!r}, os.O_RDONLY, dir_fd=fd), 100))", {}, "all"),
+                   f"print(os.read(os.open('root' + {secret!r}, os.O_RDONLY, dir_fd=fd), 100))",
+                   {}, "all"),
         # (C) new processes, signals to the trainer, a process that leaves the group
         "fork_exec_guard": (fork_exec, {"guard": True}, "all"),
         "fork": ("pid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint('ESCAPE fork')", {}, "all"),
         "kill_trainer": (kill, {}, "all"),
         # the trainer's tokens (HF_TOKEN, WANDB_API_KEY) live in its environment
-        "trainer_environ": (f"print('ESCAPE', open('/proc/{spec['trainer']}/environ', 'rb').read()[:60])",
-                            {}, "all"),
+        "trainer_environ": (f"print('ESCAPE', open('/proc/{spec['trainer']}/environ', 'rb')"
+                            ".read()[:60])", {}, "all"),
         "renice_trainer": (f"import resource\nt = {spec['trainer']}\n"
                            "for f in (lambda: os.setpriority(os.PRIO_PROCESS, t, 19),\n"
                            "          lambda: os.setpriority(os.PRIO_USER, 0, 19),\n"
                            "          lambda: os.sched_setaffinity(t, {0}),\n"
-                           "          lambda: resource.prlimit(t, resource.RLIMIT_NOFILE, (8, 8))):\n"
+                           "          lambda: resource.prlimit(t, resource.RLIMIT_NOFILE,"
+                           " (8, 8))):\n"
                            "    try:\n        f()\n    except OSError:\n        pass", {}, "all"),
         "setsid_outlives": ("try:\n    os.setsid()\nexcept OSError as e:\n    print(e)\n"
-                            f"os.execv('/bin/sleep', ['sleep', '{mark}'])", {"timeout_s": 1}, "all"),
+                            f"os.execv('/bin/sleep', ['sleep', '{mark}'])", {"timeout_s": 1},
+                            "all"),
         # (A, B, C) clean-up of a 1100-level tree and of a chmod 000 folder
-        "deep_tree": ("top = os.getcwd()\nprint(top)\nos.mkdir('locked')\nopen('locked/f', 'w').write('x')\n"
-                      "os.chmod('locked', 0)\nfor _ in range(1100):\n    os.mkdir('d')\n    os.chdir('d')",
+        "deep_tree": ("top = os.getcwd()\nprint(top)\nos.mkdir('locked')\n"
+                      "open('locked/f', 'w').write('x')\nos.chmod('locked', 0)\n"
+                      "for _ in range(1100):\n    os.mkdir('d')\n    os.chdir('d')",
                       {}, "all"),
         # (A, B) a host unix socket (mode 0777 in a shared folder) is out of reach
         "unix_socket": ("s = libc.socket(1, 1, 0)\n"
                         f"addr = struct.pack('H', 1) + {sock!r}.encode().ljust(108, b'\\0')\n"
-                        "if s >= 0 and libc.connect(s, addr, len(addr)) == 0:\n    print('ESCAPE connect')",
+                        "if s >= 0 and libc.connect(s, addr, len(addr)) == 0:\n"
+                        "    print('ESCAPE connect')",
                         {}, "all"),
         # (A) the memory limit is the call's: no second process, and threads share the one limit
-        "memory_fork": ("for i in range(4):\n    if os.fork() == 0:\n        x = bytearray(800 << 20)\n"
+        "memory_fork": ("for i in range(4):\n    if os.fork() == 0:\n"
+                        "        x = bytearray(800 << 20)\n"
                         "        time.sleep(2)\n        os._exit(0)\n    print('ESCAPE child', i)",
                         {"memory_mb": 1024}, "all"),
         "memory_threads": ("import threading\nheld = []\n"
@@ -408,30 +423,37 @@ def cases(spec):
                            "    except MemoryError:\n        pass\n"
                            "ts = [threading.Thread(target=grab) for _ in range(4)]\n"
                            "[t.start() for t in ts]\n[t.join() for t in ts]\n"
-                           "print('ESCAPE', len(held) * 400, 'MB') if len(held) * 400 > 1024 else None",
+                           "print('ESCAPE', len(held) * 400, 'MB') "
+                           "if len(held) * 400 > 1024 else None",
                            {"memory_mb": 1024}, "all"),
         # minor: a SIGKILL 0.1 s in is reported as what it is
         "sigkill": ("time.sleep(0.1)\nos.kill(os.getpid(), 9)", {}, "all"),
-        # what uid 0 may do by name and Landlock does not cover: modes (set-uid), times, xattrs (a note for
-        # a later call), truncation (Landlock ABI < 3) -- of a host file and of the 0666 canaries
+        # what uid 0 may do by name and Landlock does not cover: modes (set-uid), times, xattrs
+        # (a note for a later call), truncation (Landlock ABI < 3) -- of a host file and of the
+        # 0666 canaries
         "host_metadata": (host_metadata, {}, "all"),
         "host_metadata_abi2": (host_metadata, {"abi": 2}, "all"),
-        # F_SETOWN + F_SETSIG(SIGKILL) on a socket: the kernel signals the owner on I/O (Landlock ABI < 6);
-        # the target is a process of the trainer's uid (not the trainer: a pytest killed says little)
+        # F_SETOWN + F_SETSIG(SIGKILL) on a socket: the kernel signals the owner on I/O
+        # (Landlock ABI < 6); the target is a process of the trainer's uid (not the trainer:
+        # a pytest killed says little)
         "setown_kill_abi5": ("import fcntl, socket\na, b = socket.socketpair()\n"
-                             f"fcntl.fcntl(a, fcntl.F_SETOWN, {spec['victim']})\nfcntl.fcntl(a, 10, 9)\n"
-                             "fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)\n"
+                             f"fcntl.fcntl(a, fcntl.F_SETOWN, {spec['victim']})\n"
+                             "fcntl.fcntl(a, 10, 9)\n"
+                             "fcntl.fcntl(a, fcntl.F_SETFL, "
+                             "fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)\n"
                              "b.send(b'x')\ntime.sleep(0.2)", {"abi": 5}, "all"),
-        # memory outside RLIMIT_AS, and SysV objects that outlive the call (the host's without an ipc ns)
+        # memory outside RLIMIT_AS, and SysV objects that outlive the call
+        # (the host's without an ipc ns)
         "sysv_ipc": ("for name, call in (('shm', lambda: libc.shmget(0, 64 << 20, 0o1666)),\n"
                      "                   ('msg', lambda: libc.msgget(0, 0o1666)),\n"
                      "                   ('sem', lambda: libc.semget(0, 1, 0o1666))):\n"
                      "    if call() >= 0:\n        print('ESCAPE', name)", {}, "all"),
-        "memfd": ("fd = os.memfd_create('x')\nos.write(fd, b'x' * (1 << 20))\nprint('ESCAPE memfd')", {},
-                  "all"),
+        "memfd": ("fd = os.memfd_create('x')\nos.write(fd, b'x' * (1 << 20))\n"
+                  "print('ESCAPE memfd')", {}, "all"),
+        # KEEP_SIZE: RLIMIT_FSIZE does not see it
         "fallocate": ("fd = os.open('f', os.O_CREAT | os.O_WRONLY)\n"
                       "if libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 30)) == 0:\n"
-                      "    print('ESCAPE fallocate')", {}, "all"),  # KEEP_SIZE: RLIMIT_FSIZE does not see it
+                      "    print('ESCAPE fallocate')", {}, "all"),
         "disk_fill": ("for i in range(200):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
                       "print('ESCAPE wrote 200 MB')", {"file_size_mb": 2}, "all"),
         # RLIMIT_NPROC does not bind uid 0
@@ -444,8 +466,8 @@ def cases(spec):
         "flock_host": ("import fcntl\nf = open('/etc/passwd')\n"
                        "for lock in (lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB),\n"
                        "             lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)):\n"
-                       "    try:\n        lock()\n        print('ESCAPE lock')\n    except OSError:\n"
-                       "        pass", {}, "all"),
+                       "    try:\n        lock()\n        print('ESCAPE lock')\n"
+                       "    except OSError:\n        pass", {}, "all"),
         # (B) the trainer's terminal: /dev/pts was left out of the read-only remount (chmod, utime)
         "dev_pts": (f"b = {spec['pty']!r}.encode()\n"
                     "if libc.chmod(b, 0o666) == 0 or libc.utimensat(-100, b, None, 0) == 0:\n"
@@ -453,14 +475,17 @@ def cases(spec):
         # (B) fd 1 a host file owned by the code's uid: a set-uid executable of the trainer's
         "stdout_file": ("import stat\nos.write(1, b'\\x7fELF\\n')\n"
                         "if stat.S_ISREG(os.fstat(1).st_mode) and (libc.fchmod(1, 0o4755) == 0\n"
-                        "                                          or libc.futimens(1, None) == 0):\n"
+                        "                                          "
+                        "or libc.futimens(1, None) == 0):\n"
                         "    print('ESCAPE fd 1 is a host file the code can chmod')", {}, "all"),
         # (B) the top folder closed: the trainer's clean-up could not empty it
         "chmod_top": ("top = os.getcwd()\nprint(top)\nfor i in range(7):\n"
-                      "    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\nos.chmod('.', 0)", {}, "all"),
+                      "    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\nos.chmod('.', 0)",
+                      {}, "all"),
         # (C) no network namespace: an abstract unix name held (a host process's bind fails)
         "abstract_bind": ("import socket\na, b = socket.socketpair()\ntry:\n"
-                          f"    a.bind(b'\\0sandbox-{mark}')\n    print('ESCAPE bound an abstract name')\n"
+                          f"    a.bind(b'\\0sandbox-{mark}')\n"
+                          "    print('ESCAPE bound an abstract name')\n"
                           "except OSError:\n    pass", {}, "flat"),
         # file flags (NODUMP, NOATIME, SYNC) by ioctl: Landlock's ioctl right covers devices only
         "setflags": ("import fcntl\nfd = os.open('f', os.O_CREAT | os.O_RDWR)\n"
@@ -473,7 +498,8 @@ def cases(spec):
         # the runner's disk walk chmod'ed folders by path (a rename away from a host folder)
         "walk_chmod": ("import stat\nos.mkdir('x', 0)\ntime.sleep(0.3)\n"
                        "if stat.S_IMODE(os.stat('x').st_mode):\n"
-                       "    print('ESCAPE the runner chmods the code\\'s folders by path')", {}, "all"),
+                       "    print('ESCAPE the runner chmods the code\\'s folders by path')",
+                       {}, "all"),
         # files held open (unlinked, O_TMPFILE, in flight over SCM_RIGHTS) escaped the 64 MB walk
         "hidden_disk": ("import socket\nheld, total = [], 0\na, b = socket.socketpair()\n"
                         "def tmpfile():\n    global total\n"
@@ -482,7 +508,8 @@ def cases(spec):
                         "    return fd\ntry:\n    for _ in range(20):\n        fd = tmpfile()\n"
                         "        socket.send_fds(a, [b'x'], [fd])\n        os.close(fd)\n"
                         "except OSError as e:\n    print(e)\ntime.sleep(0.3)\n"
-                        "print('ESCAPE in flight', total >> 20, 'MB') if total > 64 << 20 else None\n"
+                        "print('ESCAPE in flight', total >> 20, 'MB') "
+                        "if total > 64 << 20 else None\n"
                         "total = 0\ntry:\n    for _ in range(20):\n"
                         "        held.append(tmpfile())\nexcept OSError as e:\n    print(e)\n"
                         "time.sleep(0.3)\n"
@@ -504,9 +531,11 @@ def cases(spec):
                   "except OSError:\n    pass", {}, "all"),
         # page-cache eviction of a host file
         "fadvise": ("fd = os.open(os.__file__, os.O_RDONLY)\ntry:\n"
-                    "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n    print('ESCAPE fadvise')\n"
+                    "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n"
+                    "    print('ESCAPE fadvise')\n"
                     "except OSError:\n    pass", {}, "all"),
-        # fds the runner opened (O_PATH to the python installation under a hidden folder...) inherited
+        # fds the runner opened
+        # (O_PATH to the python installation under a hidden folder...) inherited
         "inherited_fds": ("for n in sorted(os.listdir('/proc/self/fd'), key=int)[3:]:\n    try:\n"
                           "        p = os.readlink('/proc/self/fd/' + n)\n    except OSError:\n"
                           "        continue\n    if p != f'/proc/{os.getpid()}/fd':\n"
@@ -528,7 +557,8 @@ def snapshot(spec):
         st = os.stat(p)
         meta[p] = [st.st_mode, st.st_mtime_ns, st.st_size, sorted(os.listxattr(p))]
     sysv = [len(open(f"/proc/sysvipc/{k}").readlines()) for k in ("shm", "msg", "sem")]
-    status = [l for l in open("/proc/self/status") if l.startswith(("Uid", "Gid", "Cap", "NoNewPrivs"))]
+    status = [l for l in open("/proc/self/status")
+              if l.startswith(("Uid", "Gid", "Cap", "NoNewPrivs"))]
     limits = [resource.getrlimit(r) for r in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS,
                                                resource.RLIMIT_NPROC)]
     return {"pid": os.getpid(), "cwd": os.getcwd(), "status": status, "files": files, "meta": meta,
@@ -560,11 +590,13 @@ def attack(sandbox, spec):
     spec = {**spec, "victim": victim.pid, "pty": os.ttyname(pty[1])}
     before = snapshot(spec)
     iso = sandbox.isolation(spec["namespaces"])
-    escapes = {"_setup": iso["setup"], "_isolated": iso["kernel_isolated"]}  # what this machine gave
+    # what this machine gave
+    escapes = {"_setup": iso["setup"], "_isolated": iso["kernel_isolated"]}
     for name, (code, extra, where) in cases(spec).items():
         if (where == "ns" and not spec["namespaces"]) or (where == "flat" and spec["namespaces"]):
             continue
-        abi = extra.pop("abi", None)  # a kernel with an older Landlock: the ruleset the module builds there
+        # a kernel with an older Landlock: the ruleset the module builds there
+        abi = extra.pop("abi", None)
         kw = {"timeout_s": 3, "cpu_s": 2, "memory_mb": 512, "guard": False, **extra}
         found = []
         real = sandbox._kernel_layers
@@ -572,7 +604,8 @@ def attack(sandbox, spec):
             sandbox._kernel_layers = lambda: {**real(), "landlock": min(abi, real()["landlock"])}
             sandbox._isolation.cache_clear()
         try:
-            r = sandbox.run_python(PRE + code, sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw))
+            r = sandbox.run_python(PRE + code,
+                                   sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw))
         except BaseException as e:
             escapes[name] = [f"run_python raised {type(e).__name__}: {str(e)[:200]}"]
             continue
@@ -582,12 +615,14 @@ def attack(sandbox, spec):
                 sandbox._isolation.cache_clear()
         sandbox.wait_for_cleanup()
         found += [line for line in r.output.splitlines() if line.startswith("ESCAPE")]
-        found += ["secret read"] if spec["secret_text"] in r.output or "BASHRC-CANARY" in r.output else []
+        found += (["secret read"]
+                  if spec["secret_text"] in r.output or "BASHRC-CANARY" in r.output else [])
         if r.error == "refused" or "could not set up" in r.output:
             found.append("not run: " + r.output[:300])
         if name in ("deep_tree", "chmod_top"):
             top = next((line for line in r.output.splitlines() if line.startswith("/")), "")
-            found += [f"{top} left on disk"] if not top.startswith("/") or os.path.lexists(top) else []
+            found += ([f"{top} left on disk"]
+                      if not top.startswith("/") or os.path.lexists(top) else [])
         if name in ("deep_tree", "disk_fill") and r.seconds > kw["timeout_s"] + 1.5:
             found.append(f"the call took {r.seconds:.1f} s with a {kw['timeout_s']} s timeout")
         if name == "disk_fill" and r.error != "disk":
@@ -693,7 +728,8 @@ FAST_TMP = ("/dev/shm"
 
 
 def _attack(setup: str) -> dict:
-    """Run every hostile snippet in one set-up; pytest.skip (with the reason) where it cannot be set up."""
+    """Run every hostile snippet in one set-up;
+    pytest.skip (with the reason) where it cannot be set up."""
     import shutil
     import tempfile
 
