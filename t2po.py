@@ -35,8 +35,9 @@ Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfwor
 class Args(RunArgs):
     """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
-    preset: Preset = opt("run", "auto", "fills each flag not given (PRESETS): ours (CPU) textworld,"
-                         " webshop-lite; the paper's webshop, alfworld, search (RFT: --model)")
+    preset: Preset = opt("run", "auto", "fills each flag not given (PRESETS): textworld, "
+                         "webshop-lite (ours, CPU); the paper's webshop, alfworld, search, NOT "
+                         "from the paper's RFT checkpoints: pass one as --model")
     # the shared flags (common/run.py) where T²PO's default differs
     steps: int = 3
     tasks_per_step: int = 1  # paper 16
@@ -48,8 +49,8 @@ class Args(RunArgs):
     cold_start_lr: float = 5e-5
     epochs: int = opt("run", 0, "> 0: --steps from this many epochs of the tasks (search: 1)", ge=0)
     autocast: Literal["off", "bf16", "auto"] = opt(
-        "model", "off", "training passes with bf16 matmuls (weights, gradients and AdamW stay "
-        "fp32: verl's mixed precision); auto (every preset): on a GPU or a CPU with native bf16")
+        "model", "off", "bf16 matmuls in training (weights, gradients, AdamW stay fp32: verl's "
+        "mixed precision), HF rollouts from a bf16 copy (ours); auto: GPU or CPU with native bf16")
     history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)", ge=0)
     max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts", ge=1)
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
@@ -269,8 +270,7 @@ FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<actio
 
 def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: int, epsilon: float,
                    start: int = 0) -> int | None:
-    """First thinking token t ≥ start that TTI cuts after (None: none): t+1 ≥ L_min and the mean
-    of Δ_s = |M_s − M_{s−1}| over s = t−N..t < ε, or t+1 = L_max."""
+    """First t ≥ start to cut after: t+1 = L_max, or t+1 ≥ L_min and mean_{t−N..t} |ΔM_s| < ε."""
     for t in range(start, len(m)):
         if t + 1 >= max_think:
             return t
@@ -674,8 +674,8 @@ def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
     unique = [turns[keys.index(k)] for k in distinct]
     seqs = [t.prompt_ids + t.response_ids for t in unique]
     masks = [[0] * len(t.prompt_ids) + t.action_mask for t in unique]
-    pad = lambda rows, dtype: pad_sequence([torch.tensor(r, dtype=dtype) for r in rows],
-                                           batch_first=True).to(device)  # (U, T), zeros after
+    pad = lambda rows, dtype: pad_sequence([torch.tensor(r, dtype=dtype, device=device)
+                                            for r in rows], batch_first=True)  # (U, T), zeros after
 
     return {"input_ids": pad(seqs, torch.long),
             "attention_mask": pad([[1] * len(s) for s in seqs], torch.long),

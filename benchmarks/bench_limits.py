@@ -15,7 +15,8 @@ as a fraction of the measured peak (prefill and update: GFLOP/s of matmul; decod
    as t2po's update sees them (gigpo_advantages, turn_samples).
 3. Per part:
    prefill: the rollout's prefill passes replayed (identical rows of a call deduplicated, left padding, as the
-     generator does them; fp32, as t2po rolls out); processed = the positions they compute (padding too),
+     generator does them; in the rollout's precision: a bf16 copy where --autocast resolves to bf16, else
+     fp32); processed = the positions they compute (padding too),
      distinct = the distinct prefixes of all their rows (prefix_forest's nodes: what a prefix cache computes).
      With the prefix cache (t2po's --share-prefixes, the default) a pass behind reused KV computes only the
      new tokens; it is timed as it ran in the rollout, not replayed. --flags --no-share-prefixes: without.
@@ -128,9 +129,13 @@ class Shape:
 def play_step(model, tokenizer, args) -> tuple[list, dict]:
     """t2po's rollout of step 1, every model forward recorded; its turn samples."""
     envs = t2po.build_envs(args)
-    generator = HFGenerator(model, tokenizer, prefix_cache=args.share_prefixes)
-    rec = {"prefill": [], "decode": [], "generate_s": 0.0, "prefill_s": 0.0, "rows": None}
-    forward, generate, decode = model.forward, generator.generate, generator.decode
+    bf16 = run.bf16_training(args)  # t2po's --autocast: HF rollouts from a bf16 copy too
+    generator = HFGenerator(model, tokenizer, prefix_cache=args.share_prefixes,
+                            dtype=torch.bfloat16 if bf16 else None)
+    sampler = generator.sampling_model()  # the model that generates: the policy or its bf16 copy
+    rec = {"prefill": [], "decode": [], "generate_s": 0.0, "prefill_s": 0.0, "rows": None,
+           "sampler": sampler, "dtype": "bf16" if bf16 else "fp32"}
+    forward, generate, decode = sampler.forward, generator.generate, generator.decode
 
     def recorded_forward(*a, **kw):
         t = time.perf_counter()
@@ -159,7 +164,7 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
         finally:
             rec["generate_s"] += time.perf_counter() - t
 
-    model.forward, generator.generate, generator.decode = recorded_forward, timed_generate, recorded_decode
+    sampler.forward, generator.generate, generator.decode = recorded_forward, timed_generate, recorded_decode
     step = 1
     picks = t2po.step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step, replace=False)
     ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
@@ -169,7 +174,7 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
         episodes, _ = t2po.rollout(generator, tokenizer, envs.pool, tasks, groups, args, step=step,
                                    train=True, temperature=args.temperature, keys=ids)
     finally:
-        del model.forward
+        del sampler.forward
     advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_normalize,
                                        args.step_similarity)
     return t2po.turn_samples(episodes, advantages), rec
@@ -261,13 +266,14 @@ def main(argv: list[str] | None = None) -> dict:
     shape = Shape(model)
     samples, rec = play_step(model, tokenizer, step_args)
     cache = "on" if step_args.share_prefixes else "off"
-    parts = {f"prefill (rollout, fp32; prefix cache {cache})": prefill_part(model, shape, rec, args.repeats)}
+    parts = {f"prefill (rollout, {rec['dtype']}; prefix cache {cache})": prefill_part(
+        rec["sampler"], shape, rec, args.repeats)}
     times, batches, caches = zip(*rec["decode"], strict=True) if rec["decode"] else ((1.0,), (0,), (0,))
     forward_s = statistics.median(times)
     step_s = (rec["generate_s"] - rec["prefill_s"]) / max(1, len(rec["decode"]))
     at = f"batch {statistics.median(batches):.0f}, cache {statistics.median(caches):.0f}"
     for name, seconds in ((f"decode forward ({at})", forward_s), ("decode step (+ sampling)", step_s)):
-        gbs = shape.weight_bytes / seconds / 1e9
+        gbs = Shape(rec["sampler"]).weight_bytes / seconds / 1e9  # bf16 copy: half the bytes
         parts[name] = {"processed": sum(batches), "seconds": seconds, "gbs": gbs,
                        "fraction": gbs / limits["bandwidth_gbs"], "passes": len(rec["decode"])}
     for share in (False, True):

@@ -12,6 +12,7 @@ log-probs for the PPO ratio, entropies for ARPO's branching (ΔH) and T2PO's unc
   returns (see `topk_entropy`). `update_weights` loads the policy's current weights in place.
 """
 
+import copy
 import importlib.util
 import math
 import os
@@ -49,11 +50,12 @@ def vllm_installed() -> bool:
 
 
 def make_generator(backend: str, model, tokenizer, model_path: str | None = None,
-                   share_prefixes: bool = False, **engine_kwargs) -> Generator:
+                   share_prefixes: bool = False, bf16: bool = False, **engine_kwargs) -> Generator:
     """backend "auto" | "hf" | "vllm"; auto = vLLM when it is installed and CUDA is available, else HF.
 
     hf: generates with `model` itself (engine_kwargs: batch_size); share_prefixes: reuse the KV of
-    earlier calls' sequences (`HFGenerator`'s prefix cache). vllm: starts an engine on `model_path`
+    earlier calls' sequences (`HFGenerator`'s prefix cache); bf16: with a bf16 copy of it.
+    vllm: starts an engine on `model_path`
     (a folder or hub id holding the base weights), then loads `model`'s current weights into it. A folder
     with a config and no weights (`random:<shape>`) starts the engine on vLLM's dummy weights, which the
     push then replaces: the colocated engine can be checked on a GPU without downloading anything.
@@ -61,7 +63,8 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
     if backend == "auto":
         backend = "vllm" if vllm_installed() and torch.cuda.is_available() else "hf"
     if backend == "hf":
-        return HFGenerator(model, tokenizer, prefix_cache=share_prefixes, **engine_kwargs)
+        return HFGenerator(model, tokenizer, prefix_cache=share_prefixes,
+                           dtype=torch.bfloat16 if bf16 else None, **engine_kwargs)
     if backend == "vllm":
         if not vllm_installed():
             raise RuntimeError("the vllm backend needs vLLM: `pip install vllm` on a GPU machine, "
@@ -176,15 +179,17 @@ def find_stop(tokenizer, token_ids: list[int], stop: list[str], window: int) -> 
 class HFGenerator:
     """Batched sampling with our own KV-cache decode loop over `model(...)` (left padding, a row per sample).
     Generates with the training model itself, so its weights are always current (update_weights just
-    swaps the model).
+    swaps the model); or, with `dtype` (bf16 rollouts), with a copy in that dtype, refreshed from the
+    policy before any call that follows a change to it.
     """
 
     def __init__(self, model, tokenizer, batch_size: int | None = None, prefix_cache: bool = False,
-                 prefix_cache_mb: int = 1024):
+                 prefix_cache_mb: int = 1024, dtype: torch.dtype | None = None):
         from common.models import unwrap
 
         model = unwrap(model)  # generate with the bare model: no DDP hooks or compile guards
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.dtype, self.copy, self.synced = dtype, None, None  # the copy and the policy it holds
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache else None
         config = model.config
         self.max_len = getattr(config, "max_position_embeddings", None) or 1 << 30
@@ -216,8 +221,9 @@ class HFGenerator:
         bs = self.batch_size or len(rows)
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling
+        self.sampler = self.sampling_model()
         if self.prefix_cache is not None:  # KV of other weights is stale: an optimizer step bumps _version
-            self.prefix_cache.check_weights(self.model)
+            self.prefix_cache.check_weights(self.sampler)
         try:
             samples = []
             for i in range(0, len(rows), bs):
@@ -227,11 +233,32 @@ class HFGenerator:
             self.model.train(was_training)
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
+    def sampling_model(self):
+        """The policy, or its copy in `dtype` with the policy's current weights (parameters only:
+        buffers such as RoPE's frequencies stay as they are). On a CPU the copy attends eagerly:
+        PyTorch's bf16 SDPA kernel made a decode pass 1.8x slower there (benchmarks: docs/scaling.md)."""
+        if self.dtype is None or self.dtype == next(self.model.parameters()).dtype:
+            return self.model
+        version = weights_version(self.model)
+        if self.copy is None or self.synced is None or self.synced[0] != id(self.model):
+            self.copy = copy.deepcopy(self.model).eval().requires_grad_(False)
+            for p in self.copy.parameters():
+                p.grad, p.data = None, p.data.to(self.dtype)
+            if next(self.copy.parameters()).device.type == "cpu":
+                self.copy.config._attn_implementation = "eager"
+        elif self.synced[1] != version:
+            with torch.no_grad():
+                for mine, theirs in zip(self.copy.parameters(), self.model.parameters(), strict=True):
+                    mine.copy_(theirs)
+        self.synced = (id(self.model), version)
+        return self.copy
+
     @torch.inference_mode()
     def decode(self, rows: list[list[int]], row_seeds: list[int | None], max_new_tokens: int,
                temperature: float, top_p: float, top_k: int, stop: list[str],
                logprobs_k: int) -> list[Sample]:
-        device = next(self.model.parameters()).device
+        model = self.sampler
+        device = next(model.parameters()).device
         # Identical rows (a group's G samples of one prompt, in one call) share one prefill: the prompt's
         # pass is most of a CPU rollout's time. Row b reads unique row `copy[b]`.
         unique = list(dict.fromkeys(map(tuple, rows)))
@@ -257,7 +284,7 @@ class HFGenerator:
         out = [Sample([], [], [], [] if logprobs_k else None, "length") for _ in rows]
         active = list(range(len(rows)))  # original row index of each row still in the batch
         for t in range(max(budget)):
-            o = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            o = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = o.past_key_values
             logits = o.logits[:, -1].float()  # (b, V)
@@ -317,6 +344,11 @@ class HFGenerator:
 
 
 
+def weights_version(model) -> tuple[int, int]:
+    """Changes when any parameter is changed in place (an optimizer step, copy_, load_state_dict)."""
+    return id(model), sum(p._version for p in model.parameters())
+
+
 class PrefixCache:
     """The KV of sequences that earlier `generate` calls fed the model, for later calls whose rows start
     with them: T²PO's TTI continues each response in chunks (prompt + response so far), TDS resamples a
@@ -332,7 +364,7 @@ class PrefixCache:
         self.entries = []
 
     def check_weights(self, model) -> None:
-        version = (id(model), sum(p._version for p in model.parameters()))
+        version = weights_version(model)
         if version != self.version:
             self.clear()
             self.version = version

@@ -217,8 +217,9 @@ def setup(args, desc: str) -> Run:
         model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
                                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                               gradient_checkpointing=args.gradient_checkpointing)
+        bf16 = getattr(args, "autocast", "off") != "off" and bf16_training(args)  # t2po's --autocast
         generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model),
-                                   share_prefixes=args.share_prefixes)
+                                   share_prefixes=args.share_prefixes, bf16=bf16)
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
         raise SystemExit(f"{script}: {e}") from None
     model.eval()  # no dropout: recomputed log-probs equal the sampler's policy
@@ -246,7 +247,8 @@ def setup(args, desc: str) -> Run:
             raise SystemExit(f"{script}: --resume: {args.out} has no reference/ (the policy after the cold "
                              "start, --kl-coef's reference); start a new run")
     if getattr(args, "autocast", "off") != "off":  # the scripts that declare --autocast (t2po.py)
-        say(f"--autocast {args.autocast}: training passes in {'bf16' if bf16_training(args) else 'fp32'}")
+        say(f"--autocast {args.autocast}: training passes in {'bf16' if bf16_training(args) else 'fp32'}"
+            + (", HF rollouts from a bf16 copy" if isinstance(generator, HFGenerator) and bf16 else ""))
     logger = MetricsLogger(args.out, args.steps, desc, initial_step=state["step"] if state else None,
                            report_to=args.report_to, config=asdict(args), enabled=dist.is_main())
     return Run(model=model, policy=policy, tokenizer=tokenizer, generator=generator, optimizer=optimizer,

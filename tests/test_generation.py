@@ -280,3 +280,29 @@ def test_prefix_cache_keeps_to_its_memory_bound(policy):
     entries = cached.prefix_cache.entries
     assert 0 < sum(kv.numel() * kv.element_size() for _, kv in entries) <= 1 << 20
     assert all(kv.shape[3] == len(tokens) for tokens, kv in entries)  # one KV column per token
+
+
+def test_bf16_rollouts_sample_from_a_copy_that_follows_the_policy():
+    """dtype=bf16: a bf16 copy generates (the policy stays fp32, untouched); after an in-place change to
+    the policy (an optimizer step), with no update_weights call, the next call samples from the new
+    weights: the same tokens as a generator built fresh on them."""
+    model, tokenizer = load_policy(TINY_MODEL)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)  # not near-ties
+    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16, prefix_cache=True)
+    before = gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    assert {p.dtype for p in gen.copy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(p.grad is None and not p.requires_grad for p in gen.copy.parameters())
+    # bf16 greedy agrees with the fp32 policy's log-probs up to bf16 rounding
+    for prompt, [s] in zip(PROMPTS, before, strict=True):
+        token_logp, _, _ = teacher_forced(model, prompt, s, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(s.logprobs), token_logp, atol=0.15, rtol=0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))  # a different policy
+    after = gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    fresh = HFGenerator(model, tokenizer, dtype=torch.bfloat16).generate(PROMPTS, max_new_tokens=6,
+                                                                         temperature=0.0)
+    assert [(s[0].token_ids, s[0].logprobs) for s in after] == [(s[0].token_ids, s[0].logprobs)
+                                                                for s in fresh]
+    assert [s[0].logprobs for s in after] != [s[0].logprobs for s in before]
