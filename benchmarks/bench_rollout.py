@@ -1,0 +1,133 @@
+"""Rollout engines side by side: t2po's training rollout of step 1 on each, and one model pass.
+
+    .venv/bin/python -m benchmarks.bench_rollout --setting level4 --engines hf hf-cache hf-bf16 vllm
+    .venv/bin/python -m benchmarks.bench_rollout --passes --batch 15 --cache 362
+
+Rollout: every engine plays the same step-1 episodes of `--setting` (bench_limits.SETTINGS: the default
+run or the level-4 arm) with `--model`, TTI and TDS on, engines alternating (A B C A B C ...) so drifts in
+the machine's load hit all; per engine the median seconds and the work (turns, generated tokens, TDS
+resamples, TTI cuts). The engines sample with their own rounding, so at T > 0 their episodes differ after
+the first token that a rounding flips; compare tokens generated per second as well as seconds.
+  hf: the HF generator as before the prefix cache (fp32, every call prefills its rows in full)
+  hf-cache: + the prefix cache (--share-prefixes); hf-bf16: + a bf16 copy of the policy (--autocast)
+  vllm / vllm-bf16: vLLM-CPU (eager, prefix caching), fp32 / bf16 weights
+Passes (`--passes`): one prefill of `--batch` rows of `--cache` tokens, then decode passes of one token a
+row, per precision (fp32, bf16) and attention kernel (sdpa, eager); medians.
+"""
+
+import json
+import shlex
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import t2po
+from benchmarks.bench_limits import SETTINGS
+from common import run
+from common.cli import parse_args
+from common.generation import HFGenerator, make_generator
+from common.models import DEFAULT_MODEL, load_policy, resolve_model_path
+
+
+@dataclass
+class Args:
+    setting: str = field(default="level4", metadata={"help": "default or level4 (bench_limits)"})
+    engines: list[str] = field(default_factory=lambda: ["hf-cache", "hf-bf16", "vllm"],
+                               metadata={"help": "hf, hf-cache, hf-bf16, vllm, vllm-bf16"})
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "policy: name or folder"})
+    flags: str = field(default="", metadata={"help": "extra t2po.py flags"})
+    repeats: int = field(default=2, metadata={"help": "rollouts per engine (medians)"})
+    threads: int = field(default=2, metadata={"help": "torch threads"})
+    passes: bool = field(default=False, metadata={"help": "time single passes instead of rollouts"})
+    batch: int = field(default=15, metadata={"help": "--passes: rows"})
+    cache: int = field(default=362, metadata={"help": "--passes: prompt tokens a row"})
+    json: str = field(default="", metadata={"help": "also write the results to this JSON file"})
+
+
+def engine(name: str, model, tokenizer, model_name: str):
+    if name in ("hf", "hf-cache", "hf-bf16"):
+        return HFGenerator(model, tokenizer, prefix_cache=name != "hf",
+                           dtype=torch.bfloat16 if name == "hf-bf16" else None)
+    if name in ("vllm", "vllm-bf16"):
+        dtype = "bfloat16" if name == "vllm-bf16" else "float32"
+        return make_generator("vllm", model, tokenizer, resolve_model_path(model_name), dtype=dtype)
+    raise SystemExit(f"bench_rollout: unknown engine {name!r}")
+
+
+def rollouts(args: Args) -> list[dict]:
+    argv = [*SETTINGS[args.setting], "--model", args.model, *shlex.split(args.flags)]
+    step_args = run.parse(t2po.Args, argv, t2po.PRESETS, t2po.check_args)
+    model, tokenizer = load_policy(args.model)
+    model.eval()
+    envs = t2po.build_envs(step_args)
+    picks = t2po.step_rng(step_args.seed, 1).choice(len(envs.train_tasks), step_args.tasks_per_step,
+                                                    replace=False)
+    ids = [g * step_args.group_size + j for g in envs.my_groups for j in range(step_args.group_size)]
+    groups = [i // step_args.group_size for i in ids]
+    tasks = [envs.train_tasks[picks[g]] for g in groups]
+    gens = {name: engine(name, model, tokenizer, args.model) for name in args.engines}
+    rows = []
+    for repeat in range(args.repeats):
+        for name, gen in gens.items():
+            t = time.perf_counter()
+            episodes, stats = t2po.rollout(gen, tokenizer, envs.pool, tasks, groups, step_args, step=1,
+                                           train=True, temperature=step_args.temperature, keys=ids)
+            rows.append(dict(engine=name, repeat=repeat, seconds=time.perf_counter() - t,
+                             turns=stats["turns"], tokens=stats["tokens"],
+                             resamples=stats["tds_resamples"], tti=stats["tti_interventions"],
+                             won=sum(ep.won for ep in episodes)))
+            print(json.dumps(rows[-1]), flush=True)
+    print("| engine | median s | tokens generated (median) | tokens/s | TDS resamples | TTI cuts |")
+    print("|---|---|---|---|---|---|")
+    for name in args.engines:
+        mine = [r for r in rows if r["engine"] == name]
+        s, n = statistics.median(r["seconds"] for r in mine), statistics.median(r["tokens"] for r in mine)
+        print(f"| {name} | {s:.1f} | {n:.0f} | {n / s:.1f} | "
+              f"{statistics.median(r['resamples'] for r in mine):.0f} | "
+              f"{statistics.median(r['tti'] for r in mine):.0f} |")
+    return rows
+
+
+@torch.inference_mode()
+def passes(args: Args) -> list[dict]:
+    path, rows = resolve_model_path(args.model), []
+    ids = torch.randint(0, 1000, (args.batch, args.cache))
+    print("| weights | attention | prefill s | decode pass ms |\n|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for attention in ("sdpa", "eager"):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                         attn_implementation=attention).eval()
+            t = time.perf_counter()
+            cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+            prefill = time.perf_counter() - t
+            times = []
+            for _ in range(8):
+                n = cache.get_seq_length()
+                t = time.perf_counter()
+                model(input_ids=ids[:, :1], attention_mask=torch.ones(args.batch, n + 1, dtype=torch.long),
+                      position_ids=torch.full((args.batch, 1), n), past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+                times.append(time.perf_counter() - t)
+            rows.append(dict(dtype=str(dtype), attention=attention, prefill_s=prefill,
+                             decode_ms=1e3 * statistics.median(times)))
+            print(f"| {str(dtype)[6:]} | {attention} | {prefill:.2f} | {rows[-1]['decode_ms']:.0f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(Args, argv)
+    torch.set_num_threads(args.threads)
+    if args.setting not in SETTINGS:
+        raise SystemExit(f"bench_rollout: --setting {args.setting!r}: choose {' or '.join(SETTINGS)}")
+    result = passes(args) if args.passes else rollouts(args)
+    if args.json:
+        json.dump(result, open(args.json, "w"), indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
