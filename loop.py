@@ -378,7 +378,7 @@ def build_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, tor
 def action_logprobs(model, b: dict[str, torch.Tensor], temperature: float = 1.0,
                     share_prefixes: bool = True) -> torch.Tensor:
     """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under softmax(logits /
-    temp), the rollouts' sampling distribution (as ml-loop); the vocabulary projection runs on action
+    temp), the rollouts' sampling distribution (ml-loop); the vocabulary projection runs on action
     tokens only, a prefix rollouts share (their task's prompt) once (--share-prefixes)."""
     return logprobs.token_logprobs(model, b["input_ids"], b["attention_mask"],
                                    target_mask=b["action_mask"], temperature=temperature,
@@ -409,7 +409,7 @@ def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, 
 
 
 def reference_logprobs(model, reference, rollouts: list[Rollout], pad_id: int, args: Args) -> None:
-    """log pi_ref (KL ablation): `reference`, a frozen copy, or `model` with its LoRA adapter off."""
+    """log pi_ref (KL ablation): `reference`, a frozen copy, or `model` with its LoRA off."""
     micro, temp, share = args.micro_batch_size, args.temperature, args.share_prefixes
     if reference is not None:
         return recompute_logprobs(reference, rollouts, pad_id, micro, "ref_logp", temp, share)

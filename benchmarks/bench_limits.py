@@ -126,6 +126,14 @@ class Shape:
         return c * (self.n * tokens + self.head * head_tokens + attention)
 
 
+def step_episodes(envs, args, step: int) -> tuple[list, list, list]:
+    """(tasks, groups, ids) of the episodes t2po.train_step plays at `step`, on this one process."""
+    picks = t2po.step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step, replace=False)
+    ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
+    groups = [i // args.group_size for i in ids]
+    return [envs.train_tasks[picks[g]] for g in groups], groups, ids
+
+
 def play_step(model, tokenizer, args) -> tuple[list, dict]:
     """t2po's rollout of step 1, every model forward recorded; its turn samples."""
     envs = t2po.build_envs(args)
@@ -166,10 +174,7 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
 
     sampler.forward, generator.generate, generator.decode = recorded_forward, timed_generate, recorded_decode
     step = 1
-    picks = t2po.step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step, replace=False)
-    ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
-    groups = [i // args.group_size for i in ids]
-    tasks = [envs.train_tasks[picks[g]] for g in groups]
+    tasks, groups, ids = step_episodes(envs, args, step)
     try:
         episodes, _ = t2po.rollout(generator, tokenizer, envs.pool, tasks, groups, args, step=step,
                                    train=True, temperature=args.temperature, keys=ids)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 import t2po
-from benchmarks.bench_limits import SETTINGS
+from benchmarks.bench_limits import SETTINGS, step_episodes
 from common import run
 from common.cli import parse_args
 from common.generation import HFGenerator, make_generator
@@ -62,11 +62,7 @@ def rollouts(args: Args) -> list[dict]:
     model, tokenizer = load_policy(args.model)
     model.eval()
     envs = t2po.build_envs(step_args)
-    picks = t2po.step_rng(step_args.seed, 1).choice(len(envs.train_tasks), step_args.tasks_per_step,
-                                                    replace=False)
-    ids = [g * step_args.group_size + j for g in envs.my_groups for j in range(step_args.group_size)]
-    groups = [i // step_args.group_size for i in ids]
-    tasks = [envs.train_tasks[picks[g]] for g in groups]
+    tasks, groups, ids = step_episodes(envs, step_args, 1)
     gens = {name: engine(name, model, tokenizer, args.model) for name in args.engines}
     rows = []
     for repeat in range(args.repeats):

@@ -239,18 +239,18 @@ class HFGenerator:
         PyTorch's bf16 SDPA kernel made a decode pass 1.8x slower there (benchmarks: docs/scaling.md)."""
         if self.dtype is None or self.dtype == next(self.model.parameters()).dtype:
             return self.model
-        version = weights_version(self.model)
-        if self.copy is None or self.synced is None or self.synced[0] != id(self.model):
+        version = weights_version(self.model)  # (the model's id, its parameters' _version sum)
+        if self.synced is None or self.synced[0] != version[0]:  # no copy yet, or another model
             self.copy = copy.deepcopy(self.model).eval().requires_grad_(False)
             for p in self.copy.parameters():
                 p.grad, p.data = None, p.data.to(self.dtype)
             if next(self.copy.parameters()).device.type == "cpu":
                 self.copy.config._attn_implementation = "eager"
-        elif self.synced[1] != version:
+        elif self.synced != version:
             with torch.no_grad():
                 for mine, theirs in zip(self.copy.parameters(), self.model.parameters(), strict=True):
                     mine.copy_(theirs)
-        self.synced = (id(self.model), version)
+        self.synced = version
         return self.copy
 
     @torch.inference_mode()

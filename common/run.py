@@ -217,7 +217,7 @@ def setup(args, desc: str) -> Run:
         model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
                                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                               gradient_checkpointing=args.gradient_checkpointing)
-        bf16 = getattr(args, "autocast", "off") != "off" and bf16_training(args)  # t2po's --autocast
+        bf16 = hasattr(args, "autocast") and bf16_training(args)  # t2po's --autocast
         generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model),
                                    share_prefixes=args.share_prefixes, bf16=bf16)
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
