@@ -24,9 +24,9 @@ from (after the cold start; the base model's without one): the same for every ar
 success before and after RL per arm, with the command and the commit in the footer.
 
 `demo` is not a paper's claim but the default run's (`python t2po.py`, what `make demo` plays): does RL add
-to the cold start? Its arms are the run with a probe set of 8 training tasks (`--probe-tasks 8`; it does
-not change training), a no-update control (`--lr 0`: the same rollouts, no weight moves), and the level-4
-setting (with `--env-options` naming level 4; docs/results/t2po.md) for 4 and for 8 RL steps. It
+to the cold start? Its arms are that run (`rl`: level 4 since 2026-12-04), a no-update control (`lr0`:
+`--lr 0`, the same rollouts, no weight moves), and the level-4 study's arms (docs/results/t2po.md), with a
+probe set of 8 training tasks for 4 RL steps and without it for 8. It
 adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
 seeds where that is > 0, and the same gain on the probe set; and, per run, the held-out games won per
 walkthrough (games that share one mostly win or lose together).
@@ -59,7 +59,7 @@ ARMS = {
     "arpo": {"arpo": [], "grpo": ["--rollout", "global"]},
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
-    "demo": {"rl": ["--probe-tasks", "8"], "lr0": ["--probe-tasks", "8", "--lr", "0"],
+    "demo": {"rl": [], "lr0": ["--lr", "0"],  # make demo's run (the textworld preset), its control
              # a refused action counts invalid (the official ALFWorld projection's rule): without it a
              # step with no win rewarded the empty action `<action></action>` until every turn was one
              "t1-4x4-lr5e-6-cs4-mt4-inv": ["--probe-tasks", "8", *LEVEL4, "--inadmissible-invalid"],

@@ -355,6 +355,8 @@ def report(args, extra: dict, n_tasks: int, also: str = "", t_begin: float | Non
         f"{s} {round(extra[s]['eval/success_rate'] * n_tasks)}/{n_tasks}" for s in stages)
         + (f"  | {also.removeprefix('eval/')}: " + " -> ".join(f"{s} {extra[s][also]:.3f}" for s in stages)
            if also else "") + (f"  ({(time.time() - t_begin) / 60:.1f} min)" if t_begin else ""))
+    if "base" not in stages and not getattr(args, "base_eval", True):
+        say("base model not evaluated (--no-base-eval; --base-eval runs it)")
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
