@@ -82,3 +82,19 @@ def test_the_episode_shown_is_the_first_whose_outcome_changed(tmp_path, capsys):
     run.write_transcripts(args, "rl", before)  # no outcome changed: the first episode
     run.show_transcripts(args, ["base", "rl"])
     assert capsys.readouterr().out.startswith("--- held-out episode 0 (a), base: lost")
+
+
+def test_the_summary_says_when_the_base_model_was_not_evaluated(tmp_path, capsys):
+    # make demo's run skips the base evaluation: its last lines say so instead of dropping the stage
+    from types import SimpleNamespace
+
+    turn = {"response": "r", "action": "take coin", "observation": "won"}
+    for stage, won in [("cold_start", [False, True]), ("rl", [True, True])]:
+        episodes = [dict(task=t, won=w, reward=int(w), turns=[turn]) for t, w in zip("ab", won, strict=True)]
+        run.write_transcripts(SimpleNamespace(out=str(tmp_path)), stage, episodes)
+    extra = {"cold_start": {"eval/success_rate": 0.5}, "rl": {"eval/success_rate": 1.0}}
+    for base_eval in (False, True):
+        run.report(SimpleNamespace(out=str(tmp_path), base_eval=base_eval), extra, 2)
+        lines = capsys.readouterr().out.splitlines()
+        assert "held-out success (2 tasks): cold_start 1/2 -> rl 2/2" in lines
+        assert ("base model not evaluated (--no-base-eval; --base-eval runs it)" in lines) is not base_eval
