@@ -7,7 +7,8 @@ as a fraction of the measured peak (prefill and update: GFLOP/s of matmul; decod
 1. Limits, measured: GFLOP/s of a 4096x576x1536 matmul (`--peak-shape`; SmolLM2's hidden x MLP width) in
    fp32 and in bf16 tensors, and the memory read bandwidth (summing a 1 GB fp32 tensor); medians.
 2. The work: t2po.rollout itself plays the step (`--setting default`: PRESETS["textworld"], the default run;
-   `level4`: the level-4 arm of docs/results/t2po.md, benchmarks/compare.py LEVEL4) with `--model` on the
+   `level4`: the level-4 arm of docs/results/t2po.md, benchmarks/compare.py LEVEL4: since 85df69e the same
+   step as `default`, kept so that older numbers repeat) with `--model` on the
    HF generator: the policy's sampled responses, TTI and TDS, its parsed actions sent to the env, step 1's
    seeds. `--model smollm2` is the base model, which acts worse than the cold-started policy a real step 1
    starts from (`--model runs/X/checkpoints/step_0/weights` plays that one). Every model forward of the

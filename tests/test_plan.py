@@ -146,18 +146,18 @@ def test_t2po_dry_run_plans_from_the_envs_prompts(capsys):
     import t2po
     from envs.base import make_env
 
-    t2po.main(["--dry-run", "--backend", "hf"])  # the default: textworld, 2 tasks x 8 rollouts, 8 held out
+    t2po.main(["--dry-run", "--backend", "hf"])  # the default: textworld, 4 tasks x 4 rollouts, 32 held out
     out = capsys.readouterr().out
     found = re.search(r"sequence (\d+) tokens: the longest of (\d+) turn prompts, (\d+) chars / 2 \+ 32 "
                       r"chat-template tokens \+ 40 response", out)
     seq, prompts, chars = (int(x) for x in found.groups())
     assert seq == -(-chars // 2) + 32 + 40 and seq < 4096  # not 4096 + max-new-tokens whatever the env
-    # 16 training games played by the expert, 3 turns each; the first prompt holds the game's first
-    # observation, so the longest is at least that long
-    env = make_env("textworld", level=3, train_games=16, eval_games=8, holdout="walkthrough")
-    assert prompts == 48 and chars > len(env.reset(env.tasks("train")[0])[0])
-    assert "rollout rows 16 = max(ceil(2 tasks / 1 ranks) * group 8, 8 held-out on rank 0)" in out
-    assert f"HF, 16 sequences of {seq} decoding at once" in out
+    # 16 training games played by the expert, 4 turns each (level 4); the first prompt holds the game's
+    # first observation, so the longest is at least that long
+    env = make_env("textworld", level=4, train_games=16, eval_games=32, holdout="walkthrough")
+    assert prompts == 64 and chars > len(env.reset(env.tasks("train")[0])[0])
+    assert "rollout rows 32 = max(ceil(4 tasks / 1 ranks) * group 4, 32 held-out on rank 0)" in out
+    assert f"HF, 32 sequences of {seq} decoding at once" in out
     # an env whose package is missing: the old assumption, said as such
     t2po.main(["--dry-run", "--env", "webshop", "--model", "tiny-random"])
     out = capsys.readouterr().out
