@@ -294,14 +294,17 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
     import matplotlib.pyplot as plt
 
     arms = [a for a in ARMS[algo] if a in runs]
-    fig, axes = plt.subplots(1, len(CURVES[algo]) + 1, figsize=(5 * (len(CURVES[algo]) + 1), 4))
-    for ax, key in zip(axes, CURVES[algo], strict=False):
+    series = lambda rows, key: probe_series(rows) if key == "probe/success_rate" else train_series(
+        rows, lambda r: r.get(key))  # probe/: from step 0 (the cold-start row) on
+    keys = [k for k in CURVES[algo]  # a curve no run logged (the probe, off in make demo): no panel
+            if any(series(rows, k)[0] for arm in arms for rows in runs[arm].values())]
+    fig, axes = plt.subplots(1, len(keys) + 1, figsize=(5 * (len(keys) + 1), 4), squeeze=False)
+    axes = axes[0]
+    for ax, key in zip(axes, keys, strict=False):
         for i, arm in enumerate(arms):
             by_step = defaultdict(list)  # step -> the seeds' values
-            for rows in runs[arm].values():  # probe/: from step 0 (the cold-start row) on
-                series = probe_series(rows) if key == "probe/success_rate" else train_series(
-                    rows, lambda r, k=key: r.get(k))
-                for step, value in zip(*series, strict=True):
+            for rows in runs[arm].values():
+                for step, value in zip(*series(rows, key), strict=True):
                     by_step[step].append(value)
             steps = sorted(by_step)
             if not steps:
