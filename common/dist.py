@@ -162,6 +162,13 @@ def barrier() -> None:
         dist.barrier()
 
 
+# The world group, kept until the process ends (`finish` exits without destroying it). Otherwise DDP's
+# reducer, freed when main() returns, holds its last reference: ~ProcessGroupGloo joins gloo's worker
+# thread while the main thread holds the GIL, and the worker, dropping the barrier's work, waits for the
+# GIL: both wait forever (py-spy on a rank of arpo's 8-rank test that hung in 1 of 3 tries).
+_OUTLIVE_MAIN: list = []
+
+
 def cleanup() -> None:
     """Leave the process group. vLLM's engine (the vllm backend) built its groups on it: they go first,
     or vLLM's exit-time shutdown fails on the destroyed group with a traceback after the run."""
@@ -170,6 +177,7 @@ def cleanup() -> None:
         vllm_groups.cleanup_dist_env_and_memory()  # also destroys the default group
     if is_distributed():
         dist.barrier()  # no rank tears the group down while another still talks to it
+        _OUTLIVE_MAIN.append(dist.group.WORLD)
         dist.destroy_process_group()
 
 
