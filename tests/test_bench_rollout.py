@@ -18,6 +18,6 @@ def test_passes_cover_both_precisions_and_kernels():
     rows = bench_rollout.main(["--model", "tiny-random", "--passes", "--batch", "2", "--cache", "8",
                                "--threads", "1"])
     assert [(r["dtype"], r["attention"]) for r in rows] == [
-        ("torch.float32", "sdpa"), ("torch.float32", "eager"), ("torch.bfloat16", "sdpa"),
-        ("torch.bfloat16", "eager")]
+        ("torch.float32", "sdpa"), ("torch.float32", "eager"), ("torch.float32", "grouped_eager"),
+        ("torch.bfloat16", "sdpa"), ("torch.bfloat16", "eager"), ("torch.bfloat16", "grouped_eager")]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)

@@ -306,3 +306,27 @@ def test_bf16_rollouts_sample_from_a_copy_that_follows_the_policy():
     assert [(s[0].token_ids, s[0].logprobs) for s in after] == [(s[0].token_ids, s[0].logprobs)
                                                                 for s in fresh]
     assert [s[0].logprobs for s in after] != [s[0].logprobs for s in before]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_grouped_eager_attention_is_hfs_eager_attention(dtype, tol):
+    """The bf16 sampler's attention: HF's eager arithmetic with the KV heads shared, not copied."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from common.generation import grouped_eager_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, q, keys, d = 3, 6, 2, 4, 9, 8  # 3 query heads a KV head
+    query = torch.randn(b, heads, q, d, generator=g).to(dtype)
+    key, value = (torch.randn(b, kv_heads, keys, d, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(b, 1, q, keys, dtype=dtype)
+    mask[0, :, :, :3] = torch.finfo(dtype).min  # row 0: left padding
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = heads // kv_heads, False
+    want, want_probs = eager_attention_forward(module, query, key, value, mask, scaling=d ** -0.5)
+    got, probs = grouped_eager_attention(module, query, key, value, mask, scaling=d ** -0.5)
+    assert got.shape == want.shape == (b, q, heads, d)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(probs.float(), want_probs.float(), rtol=tol, atol=tol)
+    wrong = grouped_eager_attention(module, query, key.flip(1), value.flip(1), mask, scaling=d ** -0.5)[0]
+    assert not torch.allclose(wrong.float(), want.float(), atol=tol)  # heads map to their own KV head

@@ -112,3 +112,75 @@ def test_target_mask_and_padding_give_zeros_and_the_same_kept_values():
     assert (packed[~keep] == 0).all() and (packed[5] == 0).all()  # row 5 has no target past 3
     none = token_logprobs(model, ids, mask, target_mask=torch.zeros_like(keep), share_prefixes=True)
     assert none.shape == keep.shape and (none == 0).all()
+
+
+def test_segments_are_the_chains_drawn_by_hand():
+    """Each row's new tokens form one segment; its keys are its ancestors (root first), then itself."""
+    ids, mask = batch(ROWS)
+    f = prefix_forest(ids, mask, max_row_tokens=64)
+    got = [(s.start, s.end, s.keys.tolist() if s.mask is not None else None) for s in f.segments[0]]
+    assert got == [(0, 7, None),  # row 0: 5 6 7 8 9 10 11, the root chain: plain causal
+                   (7, 8, [0, 1, 2, 3, 4, 7]),  # row 1: 12 under 9
+                   (8, 10, [0, 1, 2, 8, 9]),  # row 2: 13 14 under 7 (row 3 adds nothing)
+                   (10, 11, [0, 1, 10]),  # row 4: 15 under 6
+                   (11, 13, None)]  # row 5: 20 21, a tree of its own
+    two = f.segments[0][2]
+    assert two.mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    for seg in f.segments[0]:  # the same pairs as the forest's attend mask
+        for i in range(seg.start, seg.end):
+            seen = seg.keys[seg.mask[i - seg.start]] if seg.mask is not None \
+                else torch.arange(seg.start, i + 1)
+            assert seen.tolist() == f.attend[0, 0, i].nonzero().flatten().tolist()
+
+
+def test_packed_attention_runs_per_segment(monkeypatch):
+    """The packed forward computes each segment's pairs, never the forest's full N x N."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        calls.append((q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model, _ = load_policy(TINY_MODEL)
+    ids, mask = batch(ROWS)
+    with torch.no_grad():
+        token_logprobs(model, ids, mask, share_prefixes=True)
+    layers = model.config.num_hidden_layers
+    assert sorted(set(calls)) == [(1, 3), (1, 6), (2, 2), (2, 5), (7, 7)]
+    assert len(calls) == 5 * layers
+    calls.clear()
+    with torch.no_grad():
+        token_logprobs(model, ids, mask)  # unpacked: the padded batch's own attention
+    assert set(calls) == {(7, 7)}
+
+
+def test_checkpointed_layers_recompute_per_segment_with_the_same_gradients(monkeypatch):
+    """Under gradient checkpointing the backward re-runs each layer: it must take the per-segment
+    path again (a different path saves other tensors, and torch refuses), with equal gradients."""
+    ids, mask = batch(ROWS)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, _ = load_policy(TINY_MODEL, gradient_checkpointing=checkpointing)
+        model.train()  # HF checkpoints a layer only in train mode
+        logp = token_logprobs(model, ids, mask, share_prefixes=True)
+        grads.append(torch.autograd.grad(logp.sum(), list(model.parameters())))
+    for g, e in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_chain_under_a_branch_sees_two_spans_and_the_right_values():
+    """[5 6 7 13 16] leaves row 2's chain (13 14) after 13: its keys are two spans, 5 6 7 and 13."""
+    rows = ROWS + [[5, 6, 7, 13, 16]]
+    ids, mask = batch(rows)
+    f = prefix_forest(ids, mask, max_row_tokens=64)
+    seg = f.segments[0][-1]
+    assert (seg.start, seg.keys.tolist()) == (13, [0, 1, 2, 8, 13])  # 16 is node 13, after 20 21
+    torch.manual_seed(0)
+    model, _ = load_policy(TINY_MODEL)
+    with torch.no_grad():
+        plain = token_logprobs(model, ids, mask)
+        packed = token_logprobs(model, ids, mask, share_prefixes=True)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
