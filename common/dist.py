@@ -172,12 +172,13 @@ _OUTLIVE_MAIN: list = []
 def cleanup() -> None:
     """Leave the process group. vLLM's engine (the vllm backend) built its groups on it: they go first,
     or vLLM's exit-time shutdown fails on the destroyed group with a traceback after the run."""
+    if is_distributed():
+        _OUTLIVE_MAIN.append(dist.group.WORLD)  # before vLLM's clean-up destroys it too
     vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
     if vllm_groups is not None and vllm_groups.model_parallel_is_initialized():
         vllm_groups.cleanup_dist_env_and_memory()  # also destroys the default group
     if is_distributed():
         dist.barrier()  # no rank tears the group down while another still talks to it
-        _OUTLIVE_MAIN.append(dist.group.WORLD)
         dist.destroy_process_group()
 
 
