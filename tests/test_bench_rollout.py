@@ -14,10 +14,12 @@ def test_each_hf_engine_plays_the_same_step(capsys):
     assert all(f"| {name} |" in printed for name in ("hf", "hf-cache", "hf-bf16"))
 
 
-def test_passes_cover_both_precisions_and_kernels():
+def test_passes_cover_both_precisions_kernels_and_packed_weights():
     rows = bench_rollout.main(["--model", "tiny-random", "--passes", "--batch", "2", "--cache", "8",
                                "--threads", "1"])
-    assert [(r["dtype"], r["attention"]) for r in rows] == [
-        ("torch.float32", "sdpa"), ("torch.float32", "eager"), ("torch.float32", "grouped_eager"),
-        ("torch.bfloat16", "sdpa"), ("torch.bfloat16", "eager"), ("torch.bfloat16", "grouped_eager")]
+    assert [(r["dtype"], r["attention"], r["packed"]) for r in rows] == [
+        ("torch.float32", "sdpa", False), ("torch.float32", "eager", False),
+        ("torch.float32", "grouped_eager", False), ("torch.bfloat16", "sdpa", False),
+        ("torch.bfloat16", "eager", False), ("torch.bfloat16", "grouped_eager", False),
+        ("torch.bfloat16", "grouped_eager", True)]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)

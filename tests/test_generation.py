@@ -308,6 +308,34 @@ def test_bf16_rollouts_sample_from_a_copy_that_follows_the_policy():
     assert [s[0].logprobs for s in after] != [s[0].logprobs for s in before]
 
 
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="oneDNN has no bf16 kernels on this CPU: the bf16 copy keeps F.linear")
+def test_bf16_copy_multiplies_with_packed_weights_that_follow_the_policy():
+    """The bf16 copy's linear layers run on oneDNN-packed weights (`pack_linears`): the products of
+    F.linear on the plain weights, made again after the policy changes."""
+    model, tokenizer = load_policy(TINY_MODEL)
+    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16)
+    gen.generate(PROMPTS, max_new_tokens=2, temperature=0.0)
+    linears = [m for m in gen.copy.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(hasattr(m, "packed") for m in linears)
+    g = torch.Generator().manual_seed(0)
+
+    def check():
+        for m in linears:
+            for rows in (1, 3, 40):  # a decode pass's few rows, and a prefill's many
+                x = torch.randn(rows, m.in_features, generator=g).to(torch.bfloat16)
+                torch.testing.assert_close(m(x).float(), F.linear(x, m.weight).float(), rtol=1e-2,
+                                           atol=1e-2)
+
+    check()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # an optimizer step, in place
+    gen.generate(PROMPTS, max_new_tokens=2, temperature=0.0)
+    check()  # against the copy's new plain weights: a stale packed weight fails here
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_grouped_eager_attention_is_hfs_eager_attention(dtype, tol):
     """The bf16 sampler's attention: HF's eager arithmetic with the KV heads shared, not copied."""
