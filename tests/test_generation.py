@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.generation import HFGenerator, Sample, filter_top_k_top_p, make_generator, topk_entropy
+from common.generation import (
+    HFGenerator,
+    Sample,
+    filter_top_k_top_p,
+    make_generator,
+    onednn_bf16,
+    topk_entropy,
+)
 from common.models import TINY_MODEL, load_policy
 
 
@@ -308,8 +315,7 @@ def test_bf16_rollouts_sample_from_a_copy_that_follows_the_policy():
     assert [s[0].logprobs for s in after] != [s[0].logprobs for s in before]
 
 
-@pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
-                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+@pytest.mark.skipif(not onednn_bf16(),
                     reason="oneDNN has no bf16 kernels on this CPU: the bf16 copy keeps F.linear")
 def test_bf16_copy_multiplies_with_packed_weights_that_follow_the_policy():
     """The bf16 copy's linear layers run on oneDNN-packed weights (`pack_linears`): the products of
