@@ -122,7 +122,7 @@ PRESETS: dict[str, dict] = {
     "textworld": dict(steps=8, lr=5e-6, temperature=1.0, base_eval=False, autocast="auto",
         env_options='{"level": 4, "train_games": 16, "eval_games": 32, "holdout": "walkthrough"}',
         tasks_per_step=4, group_size=4, eval_tasks=32, max_turns=4, cold_start_episodes=4,
-        cold_start_epochs=3, tds_max_try=1, inadmissible_invalid=True),
+        cold_start_epochs=2, tds_max_try=1, inadmissible_invalid=True),
 }
 # the authors' RFT checkpoints, in the Hugging Face collection willhx/t2po (their scripts' MODEL)
 RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
