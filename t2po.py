@@ -119,7 +119,7 @@ PRESETS: dict[str, dict] = {
         weight_decay=0.01, autocast="auto"),
     "webshop-lite": dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
                          tds_max_try=1, autocast="auto"),
-    "textworld": dict(steps=8, lr=5e-6, temperature=1.0, base_eval=False, autocast="auto",
+    "textworld": dict(steps=8, lr=5e-6, temperature=0.7, base_eval=False, autocast="auto",
         env_options='{"level": 4, "train_games": 16, "eval_games": 32, "holdout": "walkthrough"}',
         tasks_per_step=4, group_size=4, eval_tasks=32, max_turns=4, cold_start_episodes=4,
         cold_start_epochs=2, tds_max_try=1, inadmissible_invalid=True),

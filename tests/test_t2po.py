@@ -426,7 +426,7 @@ def test_env_presets_apply_the_paper_settings_but_flags_win():
 def test_textworld_preset_is_the_default_run_and_flags_win():
     args = run.parse(t2po.Args, [], t2po.PRESETS)  # `python t2po.py`, the `make demo` run
     assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (8, 5e-6, 1, True)
-    assert (args.temperature, args.inadmissible_invalid, args.base_eval) == (1.0, True, False)
+    assert (args.temperature, args.inadmissible_invalid, args.base_eval) == (0.7, True, False)
     argv = ["--env", "textworld", "--steps", "1", "--base-eval"]
     args = run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
     assert json.loads(args.env_options) == {"level": 4, "train_games": 16, "eval_games": 32,
