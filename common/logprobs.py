@@ -85,8 +85,10 @@ def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     The call goes through `model` itself (so DDP / peft wrappers see a normal forward) with logits for
     only the last position; a hook on the decoder grabs its output. attention_mask: (B, T) padding mask,
     or a (B, 1, T, T) boolean mask of what each token attends to, with explicit `position_ids`;
-    `segments` (a prefix forest's): an SDPA model attends per segment instead of over that mask
-    (another attention implementation ignores them and reads the mask: the same values, slower).
+    `segments` (a prefix forest's): an SDPA model attends per segment instead of over that mask; an
+    eager one reads the mask, made additive here (eager adds a mask to the scores: a boolean one
+    would add 0/1, not 0/-inf). Another implementation is refused: flash kernels do not read a 4D
+    mask, so packed rows would attend across trees.
     """
     captured = []
 
@@ -97,12 +99,27 @@ def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     if position_ids is None:  # positions count real tokens only, as HF generate does for left padding
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     extra = {"forest_segments": segments} if segments is not None else {}  # to forest_attention
+    if attention_mask.dim() == 4:
+        attention_mask = additive_mask(model, attention_mask)
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
               use_cache=False, logits_to_keep=1, **extra)
     finally:
         hook.remove()
     return captured[-1]
+
+
+def additive_mask(model: nn.Module, attend: Tensor) -> Tensor:
+    """A (R, 1, N, N) boolean mask of what each node attends to as the scores' additive mask (0 where
+    it attends, the dtype's minimum where not), which SDPA and eager attention both read right."""
+    implementation = getattr(unwrap(model).config, "_attn_implementation", "sdpa")
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(f"shared-prefix packing needs sdpa or eager attention, not "
+                         f"{implementation!r}: pass --no-share-prefixes")
+    dtype = next(unwrap(model).parameters()).dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(
+        ~attend, torch.finfo(dtype).min)
 
 
 @dataclass
