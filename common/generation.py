@@ -201,11 +201,17 @@ class HFGenerator:
         self.pad_id = pad if pad is not None else next(iter(self.eos_ids), 0)
 
     def update_weights(self, model) -> None:
+        """After an optimizer step: generate from `model`'s weights as they are now. The bf16 copy is
+        refreshed and the prefix cache emptied here, whatever the step did: a fused optimizer or a
+        `.data` write changes weights without bumping their `_version`."""
         from common.models import unwrap
 
         self.model = unwrap(model)
+        if self.synced is not None:
+            self.synced = (self.synced[0], None)  # the next call copies the weights again
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+            self.prefix_cache.version = None
 
     def sleep(self) -> None:
         """Nothing to free: this backend decodes with the training model's own weights."""
