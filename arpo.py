@@ -20,45 +20,57 @@ and generation continues. ARPO changes *where the sampling budget goes*:
 
 `--rollout global` turns 1 off (M independent trajectories: GRPO at the same rollout budget). Before
 RL (`--cold-start`) the packaged SmolLM2-135M, which never writes the format, is fine-tuned on the
-`tools` env's scripted expert (the paper starts from a Tool-Star SFT model). `python arpo.py` (CPU,
-~15 min), `--preset paper` (M=16, N=8, k=20, ...), `--env toy --model tiny-random` (seconds);
-docs/arpo.md: the equations beside these lines, the hyper-parameters.
+`tools` env's scripted expert (the paper starts from a Tool-Star SFT model).
+
+Read top to bottom: the arguments; the ALGORITHM (the step entropy and branch rule, the adaptive
+rollout, the advantage attribution, the clipped objective); then the SCAFFOLDING that loop.py and
+t2po.py share word for word (the training record, the update, evaluation, the cold start, main).
+`python arpo.py` (CPU, ~15 min), `--preset paper` (M=16, N=8, k=20, ...), `--env toy --model
+tiny-random` (seconds); docs/arpo.md: the equations beside these lines, the hyper-parameters.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import random
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from common import cli, dist, models, run
+from common import cli, dist, run
 from common.cli import opt
 from common.logprobs import token_logprobs
-from common.run import RunArgs
+from common.models import unwrap
 from envs.base import require
+
+# ==================================================================================================
+# ARGUMENTS
+# ==================================================================================================
+Preset = Literal["auto", "none", "cpu", "paper"]
 
 
 @dataclass
-class Args(RunArgs):
+class Args(run.RunArgs):
     """ARPO (Dong et al. 2025), entropy-based adaptive rollout for tool agents: docs/arpo.md."""
 
-    preset: Literal["auto", "none", "cpu", "paper"] = opt(
-        "run", "auto", "settings filled into every flag not given: cpu, our defaults; paper, M=16 "
-        "N=8 k=20 Z=1, 5 tool calls, lr 1e-6, 128 questions/step; auto: the one named after --env "
-        "(none is)")
+    preset: Preset = opt("run", "auto", "fills each flag not given (PRESETS): cpu, our defaults; "
+                         "paper, M=16 N=8 k=20 Z=1, 5 tool calls, lr 1e-6, 128 questions/step; "
+                         "auto: the one named after --env (none is)")
+    # the shared flags (common/run.py) where ARPO's default differs
     env: str = "tools"  # offline python/search questions
-    max_turns: int = opt("environment", 1, "unused: ARPO writes one response per question; "
-                         "--max-tool-calls bounds its tool turns", ge=1)
     steps: int = 8
     max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demo
     cold_start_episodes: int = 32
+    max_minutes: float = 14.0  # the CPU default's budget: stop early rather than overrun
+    max_turns: int = opt("environment", 1, "unused: ARPO writes one response per question; "
+                         "--max-tool-calls bounds its tool turns", ge=1)
     rollout: Literal["arpo", "global"] = opt("algorithm", "arpo", "arpo: entropy-based adaptive "
                                              "rollout; global: M independent trajectories (GRPO)")
     initial_rollouts: int = opt("algorithm", 2, "N: rollouts started globally (paper: 8)", ge=1)
@@ -79,7 +91,6 @@ class Args(RunArgs):
         "algorithm", "auto", "auto: token-mean with soft attribution (the code), "
         "seq-mean-token-mean with hard (the paper's 1/|y_i|; under a token mean hard gives soft's "
         "gradient exactly)")
-    minibatches: int = opt("optimisation", 1, "optimizer steps per RL step (code: 128/16=8)", ge=1)
     clip_low: float = opt("algorithm", 0.2, "PPO clip epsilon below 1", ge=0, lt=1,
                           why="the ratio's lower bound 1 - eps must stay positive")
     clip_high: float = opt("algorithm", 0.2, "PPO clip epsilon above 1", ge=0)
@@ -91,8 +102,6 @@ class Args(RunArgs):
     unsafe_python: bool = opt("environment", False, "run the tools env's python where the kernel "
                               "gives its sandbox no isolation, with only a python audit hook and "
                               "rlimits")
-    max_minutes: float = opt("run", 14.0, "stop training early when the next step and the final "
-                             "eval would overrun (0 = off)", ge=0)
 
 
 # --preset: cpu, our defaults; paper, the paper's rollout settings (official scripts, 7B/8B). Each
@@ -100,12 +109,14 @@ class Args(RunArgs):
 PRESETS: dict[str, dict] = {
     "cpu": {},
     "paper": dict(group_size=16, initial_rollouts=8, branch_k=20, beta=0.2, tau=0.5, fork_z=1,
-                  max_tool_calls=5, lr=1e-6, tasks_per_step=128, minibatches=8,
+                  max_tool_calls=5, lr=1e-6, tasks_per_step=128,
+                  minibatch_size=256,  # the code's mini-batch: 16 questions x M = 16 responses
                   max_new_tokens=4096, max_minutes=0.0,
                   cold_start=False,  # bring the SFT'd model with --model
                   search_topk=3,  # ours, the env's default (the code: 10 web results)
                   gradient_checkpointing=True, stop_at_answer=False),
 }
+REPORTED = "eval/reward_mean"  # the held-out figure the last line gives beside the successes
 
 
 def check_args(args: Args) -> None:
@@ -115,6 +126,9 @@ def check_args(args: Args) -> None:
                            f"must be <= --group-size ({args.group_size}): N of M start globally")
 
 
+# ==================================================================================================
+# ALGORITHM (ARPO): the step entropy and the branch rule
+# ==================================================================================================
 TOOL_TAGS = ("python", "search")
 TOOL_STOPS = [f"</{tag}>" for tag in TOOL_TAGS]  # generation pauses at a closing tool tag (code)
 STOP_STRINGS = TOOL_STOPS + ["</answer>"]  # and with --stop-at-answer (ours) ends after the answer
@@ -154,58 +168,77 @@ def branch_rule(delta_h: float, alpha: float, beta: float, tau: float) -> bool:
     return alpha + beta * delta_h > tau
 
 
+def fork_probability(delta_h: float, beta: float, tau: float) -> float:
+    """P(fork) under branch_rule with alpha ~ U(0, 1): clip(1 - tau + beta * dH, 0, 1)."""
+    return min(1.0, max(0.0, 1.0 - tau + beta * delta_h))
+
+
+# ==================================================================================================
+# ALGORITHM (ARPO): the entropy-based adaptive rollout
+# ==================================================================================================
+def _tool_counts() -> dict[str, int]:
+    return dict.fromkeys(TOOL_TAGS, 0)
+
+
 @dataclass
 class Rollout:
     """One response under construction: a path in the question's rollout tree."""
-    question: int                                           # index of the question in the batch
-    response_ids: list[int] = field(default_factory=list)   # generated + inserted tokens
-    action_mask: list[int] = field(default_factory=list)    # 1 = policy token, 0 = <result> tokens
-    old_logprobs: list[float] = field(default_factory=list)  # sampling log-probs (0 for results)
+
+    question: int  # index of the question in the batch
+    index: int = 0  # its number among its question's rollouts (0..M-1): its seeds
+    response_ids: list[int] = field(default_factory=list)  # generated + inserted tokens
+    action_mask: list[int] = field(default_factory=list)  # 1 = policy token, 0 = <result> tokens
     h_initial: float | None = None  # step entropy of the first k tokens of the initial reasoning
-    probe: bool = False             # a result was just inserted: the next k tokens decide a fork
-    tool_calls: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TOOL_TAGS})
+    probe: bool = False  # a result was just inserted: the next k tokens decide a fork
+    tool_calls: dict[str, int] = field(default_factory=_tool_counts)
     # calls in the prefix shared with the parent, run by it (a fork's own: tool_calls - these)
-    shared_calls: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TOOL_TAGS})
+    shared_calls: dict[str, int] = field(default_factory=_tool_counts)
     done: bool = False
-    finish: str = ""                # eos | length | tool_limit | empty_call
-    parent: int | None = None       # rollout it was forked from (None: a global rollout)
-    fork_point: int = 0             # number of response tokens shared with the parent
-    delta_h: list[float] = field(default_factory=list)      # dH at each tool result (logged)
+    finish: str = ""  # eos | length | tool_limit | empty_call
+    parent: int | None = None  # rollout it was forked from (None: a global rollout)
+    fork_point: int = 0  # number of response tokens shared with the parent
+    delta_h: list[float] = field(default_factory=list)  # dH at each tool result
+    forked: list[bool] = field(default_factory=list)  # whether each of them forked
+    group: int = 0  # its question's index among the step's tasks, on any rank (after scoring)
+    prompt_ids: list[int] = field(default_factory=list)  # its question's prompt (after scoring)
+    reward: float = 0.0  # the environment's reward for the whole response (after scoring)
+    won: bool = False
 
 
-def fork(parent: Rollout, parent_index: int, at: int) -> Rollout:
+def fork(parent: Rollout, parent_index: int, at: int, index: int) -> Rollout:
     """A partial rollout sharing the parent's first `at` response tokens (its state there)."""
     child = copy.deepcopy(parent)
+    child.index = index
     child.response_ids = parent.response_ids[:at]
     child.action_mask = parent.action_mask[:at]
-    child.old_logprobs = parent.old_logprobs[:at]
-    child.parent, child.fork_point, child.probe, child.delta_h = parent_index, at, False, []
+    child.parent, child.fork_point, child.probe = parent_index, at, False
+    child.delta_h, child.forked = [], []
     child.shared_calls = dict(parent.tool_calls)  # it starts after a result: all calls so far
     return child
 
 
 def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: int, fork_z: int,
                      k: int, beta: float, tau: float, max_tool_calls: int, max_new_tokens: int,
-                     vocab_size: int, generate_segments, run_tool, rng: random.Random,
+                     vocab_size: int, generate_segments, run_tool, rng: np.random.Generator,
                      entropy: str = "topk") -> list[Rollout]:
     """Build each question's rollout tree until it holds exactly M = group_size finished rollouts.
 
-    generate_segments(rollouts, budgets) -> one segment per rollout (token_ids, logprobs,
-        entropies: the per-token terms of the `entropy` estimator, finish_reason "stop" | "eos" |
-        "length", stop_string): the continuation of each rollout's prompt + response, until a
-        closing tool tag, end of sequence, or its token budget.
+    generate_segments(rollouts, budgets) -> one segment per rollout (token_ids, entropies: the
+        per-token terms of the `entropy` estimator, finish_reason "stop" | "eos" | "length",
+        stop_string): the continuation of each rollout's prompt + response, until a closing tool
+        tag, end of sequence, or its token budget.
     run_tool(rollout, tag) -> token ids of the inserted "<result>...</result>" block; None for an
         empty call, which ends the rollout (the code's rule).
     initial_rollouts = group_size and fork_z = 0 give trajectory-level sampling (GRPO).
     """
-    rollouts = [Rollout(q) for q in range(num_questions) for _ in range(initial_rollouts)]
+    rollouts = [Rollout(q, index=j) for q in range(num_questions) for j in range(initial_rollouts)]
     size = [initial_rollouts] * num_questions  # rollouts per question, live or done
     while True:
         # Budget rule: a question whose paths all ended with fewer than M gets fresh rollouts.
         live_questions = {r.question for r in rollouts if not r.done}
         for q in range(num_questions):
             if q not in live_questions and size[q] < group_size:
-                rollouts += [Rollout(q) for _ in range(group_size - size[q])]
+                rollouts += [Rollout(q, index=j) for j in range(size[q], group_size)]
                 size[q] = group_size
         live = [i for i, r in enumerate(rollouts) if not r.done]
         if not live:
@@ -221,15 +254,17 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
             elif r.probe:
                 # Entropy variation after the tool result: dH_t = H_t - H_initial over k tokens.
                 delta_h = step_entropy(seg.entropies, k, vocab_size, entropy) - r.h_initial
-                r.delta_h.append(delta_h)
                 r.probe = False
-                if size[r.question] < group_size and branch_rule(delta_h, rng.random(), beta, tau):
+                fires = size[r.question] < group_size and branch_rule(delta_h, rng.random(), beta,
+                                                                      tau)
+                r.delta_h.append(delta_h)
+                r.forked.append(fires)
+                if fires:
                     z = min(fork_z, group_size - size[r.question])  # forks stop once M exist
-                    rollouts += [fork(r, i, start) for _ in range(z)]
+                    rollouts += [fork(r, i, start, size[r.question] + j) for j in range(z)]
                     size[r.question] += z
             r.response_ids += list(seg.token_ids)
             r.action_mask += [1] * len(seg.token_ids)
-            r.old_logprobs += list(seg.logprobs)
             room = max_new_tokens - len(r.response_ids)
             tag = seg.stop_string[2:-1] if seg.finish_reason == "stop" and seg.stop_string else None
             if tag not in TOOL_TAGS or room <= 0:  # eos, </answer>, or out of budget: it ends
@@ -244,12 +279,119 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
                 r.tool_calls[tag] += 1
                 r.response_ids += result
                 r.action_mask += [0] * len(result)  # environment tokens: no gradient
-                r.old_logprobs += [0.0] * len(result)
                 r.probe = True
                 if len(r.response_ids) >= max_new_tokens:
                     r.done, r.finish = True, "length"
 
 
+def build_prompt(tokenizer, question: str, info: dict) -> list[int]:
+    """The chat the environment asks for (tools: its system prompt, the tool format, the question);
+    the toy env gives none: the question as the user's message."""
+    messages = info.get("messages") or [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def last_tool_call(text: str, tag: str) -> str:
+    """The content of the last <tag>...</tag> in the response so far (the call that just closed)."""
+    end = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, end)
+    return text[start + len(tag) + 2:end].strip() if 0 <= start < end else ""
+
+
+def execute_tool(env, tag: str, content: str) -> str:
+    """Run one tool call through the env (python: the sandbox; search: the offline corpus)."""
+    if not hasattr(env, "execute_tool"):  # the toy env (`TOOLLESS_ENVS`): build_envs refuses others
+        return "error: this environment has no tools"
+    return env.execute_tool(tag, content)
+
+
+def rollout(generator, tokenizer, env, prompts: list[list[int]], groups: list[int], args: Args,
+            rng: np.random.Generator, *, step: int, train: bool) -> list[Rollout]:
+    """ARPO (or global) rollouts of a batch of prompts (one per question): every finished one.
+    groups: the questions' indices among the step's tasks, for the seeds; rng: the fork draws."""
+    eos = tokenizer.eos_token_id
+    top_k = ENTROPY_TOPK if args.entropy == "topk" else 0  # log-probs per token the estimator reads
+    stops = STOP_STRINGS if args.stop_at_answer else TOOL_STOPS
+
+    def generate_segments(rollouts: list[Rollout], budgets: list[int]):
+        # A continuation is prompt + response so far: the backend re-reads the prefix (vLLM: prefix
+        # cache hit, no recomputation; HF: one prefill of the whole prefix). A seed per segment,
+        # so a fork does not replay its parent's noise at the same positions.
+        seeds = [sample_seed(args.seed, step, int(train), groups[r.question], r.index,
+                             len(r.response_ids)) for r in rollouts]
+        samples = generator.generate([prompts[r.question] + r.response_ids for r in rollouts], n=1,
+                                     max_new_tokens=max(budgets), stop=stops,
+                                     temperature=args.temperature if train else 0.0, seeds=seeds,
+                                     logprobs_k=top_k)
+        segments = []
+        for (s,), budget in zip(samples, budgets, strict=True):
+            seg = copy.copy(s)
+            seg.token_ids = list(s.token_ids[:budget])
+            if len(s.token_ids) > budget:
+                seg.finish_reason = "length"
+            elif s.finish_reason == "eos" and len(seg.token_ids) < budget:
+                # train the stop too (its log-prob is recomputed): the EOS id it sampled
+                # (Qwen2.5/Qwen3 end at <|im_end|> or <|endoftext|>)
+                seg.token_ids.append(s.stop_token_id if s.stop_token_id is not None else eos)
+            if top_k:  # the estimator's per-token terms
+                pairs = zip(s.top_logprobs[:budget], s.logprobs[:budget], strict=True)
+                seg.entropies = [topk_token_entropy(top, lp) for top, lp in pairs]
+            else:
+                seg.entropies = list(s.entropies[:budget])
+            segments.append(seg)
+        return segments
+
+    def run_tool(r: Rollout, tag: str) -> list[int] | None:
+        content = last_tool_call(tokenizer.decode(r.response_ids, skip_special_tokens=True), tag)
+        if not content:  # `<python></python>`, or a closing tag without its opening one
+            return None
+        output = execute_tool(env, tag, content)
+        result = f" <result>\n{output}\n</result>"  # the code's layout
+        return tokenizer.encode(result, add_special_tokens=False)
+
+    m, n, z = (args.group_size, args.initial_rollouts, args.fork_z) if train else (1, 1, 0)
+    if args.rollout == "global":
+        n, z = m, 0  # trajectory-level sampling: M independent rollouts, no forks (GRPO)
+    return adaptive_rollout(len(prompts), group_size=m, initial_rollouts=n, fork_z=z,
+                            k=args.branch_k, beta=args.beta, tau=args.tau,
+                            max_tool_calls=args.max_tool_calls,
+                            max_new_tokens=args.max_new_tokens, vocab_size=len(tokenizer),
+                            generate_segments=generate_segments, run_tool=run_tool, rng=rng,
+                            entropy=args.entropy)
+
+
+def score_response(env, task, response: str) -> tuple[float, dict]:
+    """The environment's reward for a whole response (tools: ARPO's hierarchical reward)."""
+    env.reset(task)
+    _, reward, _, info = env.step(response)
+    return float(reward), info
+
+
+def play(r: run.Run, env, tasks: list, groups: list[int], args: Args, step: int, train: bool
+         ) -> list[Rollout]:
+    """The questions' rollouts (a tree each, or one greedy response when not training), each
+    scored by the environment: reward, won."""
+    prompts = [build_prompt(r.tokenizer, *env.reset(task)) for task in tasks]
+    rng = step_rng(dist.rank_seed(args.seed), step)  # the fork draws: this rank's own
+    rollouts = rollout(r.generator, r.tokenizer, env, prompts, groups, args, rng, step=step,
+                       train=train)
+    for x in rollouts:
+        text = r.tokenizer.decode(x.response_ids, skip_special_tokens=True)
+        x.reward, info = score_response(env, tasks[x.question], text)
+        x.won = bool(info.get("won", False))
+        x.group, x.prompt_ids = groups[x.question], prompts[x.question]
+    return rollouts
+
+
+def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Rollout]:
+    """The step's questions (this rank's), a tree of M scored responses each (GRPO: M apart)."""
+    mine = step_tasks(envs.train_tasks, args, step)
+    return play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine], args, step,
+                train=True)
+
+
+# ALGORITHM: the advantage (GRPO statistics per question) and its attribution to the tree's tokens
 def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """A_i = (r_i - mean(r)) / (std(r) + eps) over a question's M rollouts (unbiased std: verl)."""
     r = torch.tensor(rewards, dtype=torch.float64)
@@ -314,269 +456,351 @@ def batch_advantages(rollouts: list[Rollout], rewards: list[float], attribution:
     return out
 
 
-def ppo_dual_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                       weights: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All (b, t). Returns (the sum of the weighted per-token losses, the number of clipped tokens).
-
-    L = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); for A < 0 additionally bounded by -c A
-    (dual clip: a huge ratio on a negative-advantage token cannot blow the loss up). `weights` are
-    the tokens' (`loss_weights`; 0 for tool results and padding); `update` divides the sum by the
-    weights' sum over the whole mini-batch, so micro-batches add up to its weighted mean."""
-    ratio = torch.exp(logp - old_logp)
-    loss1 = -adv * ratio
-    loss2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    clipped = torch.maximum(loss1, loss2)
-    dual = torch.minimum(clipped, -adv * dual_clip)
-    per_token = torch.where(adv < 0, dual, clipped)
-    is_clipped = ((loss2 > loss1) | ((adv < 0) & (dual < clipped))).float()
-    return (per_token * weights).sum(), (is_clipped * (weights > 0)).sum()
+def training_samples(rollouts: list[Rollout], args: Args) -> list[TrainingSample]:
+    """Each response is one training sample: its question's prompt, then the response (its tool
+    results masked), each token carrying its attributed advantage."""
+    advantages = batch_advantages(rollouts, [r.reward for r in rollouts], args.attribution)
+    return [TrainingSample((r.group, r.index), r.prompt_ids, r.response_ids, r.action_mask, a)
+            for r, a in zip(rollouts, advantages, strict=True)]
 
 
-def loss_weights(action_mask: torch.Tensor, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token weights of the loss, (B, T-1), and what each row adds to the normaliser, (B,): the
-    loss divides by the sum of the latter over the mini-batch (a whole number: exact on any number
-    of ranks).
-
-    token-mean (the code's loss_agg_mode): weight 1 per policy token, normaliser the token count.
-    seq-mean-token-mean (the paper's, 1/G sum_i 1/|y_i| sum_t): weight 1/|y_i|, normaliser the
-    number of responses. Only under it does hard attribution change the gradient: a shared token's
-    copies carry A_i / |y_i| (soft) or mean(A) / |y_i| (hard): sums that differ if the |y_i| do."""
-    lengths = action_mask.sum(1)  # (B,) policy tokens per response
-    if loss_agg == "token-mean":
-        return action_mask.clone(), lengths
-    return action_mask / lengths.clamp(min=1)[:, None], (lengths > 0).to(action_mask.dtype)
-
-
+# ALGORITHM: the clipped objective (PPO-clip with dual clip; token-mean, or the paper's 1/|y_i|)
 def resolve_loss_agg(args: Args) -> str:
     if args.loss_agg != "auto":
         return args.loss_agg
     return "seq-mean-token-mean" if args.attribution == "hard" else "token-mean"
 
 
-def build_prompt(tokenizer, question: str, info: dict) -> list[int]:
-    """The chat the environment asks for (tools: its system prompt, the tool format, the question);
-    the toy env gives none: the question as the user's message."""
-    messages = info.get("messages") or [{"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+def loss_weights(action_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """Per-token weights of the loss, (B, T-1). token-mean (the code's loss_agg_mode): 1 per policy
+    token. seq-mean-token-mean (the paper's, 1/G sum_i 1/|y_i| sum_t): 1/|y_i|. Only under the
+    latter does hard attribution change the gradient: a shared token's copies carry A_i / |y_i|
+    (soft) or mean(A) / |y_i| (hard), sums that differ if the |y_i| do."""
+    if loss_agg == "token-mean":
+        return action_mask
+    return action_mask / action_mask.sum(1, keepdim=True).clamp(min=1)
 
 
-def last_tool_call(text: str, tag: str) -> str:
-    """The content of the last <tag>...</tag> in the response so far (the call that just closed)."""
-    end = text.rfind(f"</{tag}>")
-    start = text.rfind(f"<{tag}>", 0, end)
-    return text[start + len(tag) + 2:end].strip() if 0 <= start < end else ""
+def policy_loss(logp: torch.Tensor, batch: dict[str, torch.Tensor], args: Args
+                ) -> tuple[torch.Tensor, dict]:
+    """Σ over the batch's policy tokens of w_t · −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), for A < 0
+    at most −c·A (dual clip), ρ = π_θ/π_old, w_t from loss_weights; + β·k3 per token aggregated the
+    same way with --kl-coef. update divides it by loss_divisor. Tensors (B, T-1)."""
+    adv = batch["advantages"]
+    weights = loss_weights(batch["action_mask"], resolve_loss_agg(args))
+    ratio = torch.exp(torch.clamp(logp - batch["old_logp"], -20.0, 20.0))  # log ρ clamped: verl
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1 - args.clip_low, 1 + args.clip_high)
+    clipped = torch.maximum(loss1, loss2)
+    dual = torch.minimum(clipped, -adv * args.dual_clip)
+    per_token = torch.where(adv < 0, dual, clipped)
+    chose_clip = (loss2 > loss1) | ((adv < 0) & (dual < clipped))
+    loss = (per_token * weights).sum()
+    stats = {"clipped": float((chose_clip.float() * batch["action_mask"]).sum())}
+    if args.kl_coef > 0:  # KL(π ‖ π_ref), aggregated as the loss
+        kl = (low_var_kl(logp, batch["ref_logp"]) * weights).sum()
+        loss = loss + args.kl_coef * kl
+        stats["kl"] = kl.item()
+    return loss, stats
 
 
-def execute_tool(env, tag: str, content: str) -> str:
-    """Run one tool call through the env (python: the sandbox; search: the offline corpus)."""
-    if not hasattr(env, "execute_tool"):  # the toy env (`TOOLLESS_ENVS`): build_envs refuses others
-        return "error: this environment has no tools"
-    return env.execute_tool(tag, content)
+def loss_divisor(minibatch: list[TrainingSample], args: Args) -> float:
+    """The minibatch's policy tokens (token-mean) or responses (seq-mean-token-mean), all ranks."""
+    if resolve_loss_agg(args) == "token-mean":
+        units = sum(sum(s.action_mask) for s in minibatch)
+    else:
+        units = sum(1 for s in minibatch if any(s.action_mask))
+    return max(1.0, dist.all_reduce(float(units)))
 
 
-def score_response(env, task, response: str) -> tuple[float, dict]:
-    """The environment's reward for a whole response (tools: ARPO's hierarchical reward)."""
-    env.reset(task)
-    _, reward, _, info = env.step(response)
-    return float(reward), info
+# ==================================================================================================
+# SCAFFOLDING: one training record and one update, the same text in loop.py, arpo.py and t2po.py.
+# What differs between the papers is `policy_loss` and `loss_divisor` above.
+# ==================================================================================================
+@dataclass
+class TrainingSample:
+    """One training sequence: a prompt, then a response trained on the tokens the policy sampled."""
+
+    origin: tuple  # (group, rollout, turn): where it came from, the same on every rank
+    prompt_ids: list[int]
+    response_ids: list[int]  # everything after the prompt the loss may see
+    action_mask: list[int]  # per response token: 1 = the policy sampled it (trained), else 0
+    advantages: list[float]  # per response token: A_t
+    old_logp: torch.Tensor | None = None  # (len(prompt) + len(response) - 1,): π_old, set in update
+    ref_logp: torch.Tensor | None = None  # the same under π_ref (--kl-coef), set in update
 
 
-def rollout(generator, tokenizer, env, prompts: list[list[int]], args: Args, rng: random.Random, *,
-            greedy: bool = False) -> list[Rollout]:
-    """ARPO (or global) rollouts of a batch of prompts (one per question): every finished one."""
-    eos = tokenizer.eos_token_id
-    top_k = ENTROPY_TOPK if args.entropy == "topk" else 0  # log-probs per token the estimator reads
-    stops = STOP_STRINGS if args.stop_at_answer else TOOL_STOPS
-
-    def generate_segments(rollouts: list[Rollout], budgets: list[int]):
-        # A continuation is prompt + response so far: the backend re-reads the prefix (vLLM: prefix
-        # cache hit, no recomputation; HF: one prefill of the whole prefix). Fresh seeds per call,
-        # so a fork does not replay its parent's noise at the same positions.
-        samples = generator.generate([prompts[r.question] + r.response_ids for r in rollouts], n=1,
-                                     max_new_tokens=max(budgets), stop=stops,
-                                     temperature=0.0 if greedy else args.temperature,
-                                     seeds=[rng.randrange(2**31) for _ in rollouts],
-                                     logprobs_k=top_k)
-        segments = []
-        for (s,), budget in zip(samples, budgets, strict=True):
-            seg = copy.copy(s)
-            seg.token_ids, seg.logprobs = list(s.token_ids[:budget]), list(s.logprobs[:budget])
-            if len(s.token_ids) > budget:
-                seg.finish_reason = "length"
-            elif s.finish_reason == "eos" and len(seg.token_ids) < budget:
-                # train the stop too (its log-prob is recomputed): the EOS id it sampled
-                # (Qwen2.5/Qwen3 end at <|im_end|> or <|endoftext|>)
-                stop = s.stop_token_id if s.stop_token_id is not None else eos
-                seg.token_ids, seg.logprobs = seg.token_ids + [stop], seg.logprobs + [0.0]
-            if top_k:  # the estimator's per-token terms
-                pairs = zip(s.top_logprobs[:budget], s.logprobs[:budget], strict=True)
-                seg.entropies = [topk_token_entropy(top, lp) for top, lp in pairs]
-            else:
-                seg.entropies = list(s.entropies[:budget])
-            segments.append(seg)
-        return segments
-
-    def run_tool(r: Rollout, tag: str) -> list[int] | None:
-        content = last_tool_call(tokenizer.decode(r.response_ids, skip_special_tokens=True), tag)
-        if not content:  # `<python></python>`, or a closing tag without its opening one
-            return None
-        output = execute_tool(env, tag, content)
-        result = f" <result>\n{output}\n</result>"  # the code's layout
-        return tokenizer.encode(result, add_special_tokens=False)
-
-    m, n, z = (1, 1, 0) if greedy else (args.group_size, args.initial_rollouts, args.fork_z)
-    if args.rollout == "global":
-        n, z = m, 0  # trajectory-level sampling: M independent rollouts, no forks (GRPO)
-    return adaptive_rollout(len(prompts), group_size=m, initial_rollouts=n, fork_z=z,
-                            k=args.branch_k, beta=args.beta, tau=args.tau,
-                            max_tool_calls=args.max_tool_calls,
-                            max_new_tokens=args.max_new_tokens, vocab_size=len(tokenizer),
-                            generate_segments=generate_segments, run_tool=run_tool, rng=rng,
-                            entropy=args.entropy)
+def sample_tokens(sample: TrainingSample) -> tuple:
+    """What a forward pass sees of a sample: two samples with the same tokens run once."""
+    return tuple(sample.prompt_ids), tuple(sample.response_ids), tuple(sample.action_mask)
 
 
-def score_rollouts(env, tasks: list, rollouts: list[Rollout], tokenizer
-                   ) -> tuple[list[float], list[dict]]:
-    rewards, infos = [], []
-    for r in rollouts:
-        text = tokenizer.decode(r.response_ids, skip_special_tokens=True)
-        reward, info = score_response(env, tasks[r.question], text)
-        rewards.append(reward)
-        infos.append(info)
-    return rewards, infos
+def build_batch(samples: list[TrainingSample], device=None) -> dict[str, torch.Tensor]:
+    """The distinct samples' prompt + response, right-padded: input_ids, attention_mask (U, T) and
+    targets (U, T-1), 1 where token t+1 was sampled; rows (B,): each sample's row among them; per
+    sample action_mask and advantages (B, T-1), aligned with log-probs (logp[:, t] scores t+1)."""
+    row_of: dict[tuple, int] = {}
+    for s in samples:
+        row_of.setdefault(sample_tokens(s), len(row_of))
+    rows = [row_of[sample_tokens(s)] for s in samples]
+    unique = list({sample_tokens(s): s for s in reversed(samples)}.values())[::-1]  # first of each
+    seqs = [s.prompt_ids + s.response_ids for s in unique]
+    targets = [[0] * len(s.prompt_ids) + s.action_mask for s in unique]
+    advantages = [[0.0] * len(s.prompt_ids) + s.advantages for s in samples]
 
+    def padded(values: list[list], dtype: torch.dtype) -> torch.Tensor:  # (n, T), zeros after
+        return pad_sequence([torch.tensor(v, dtype=dtype, device=device) for v in values],
+                            batch_first=True)
 
-def step_rng(seed: int, step: int) -> random.Random:
-    """The randomness of step `step` (rollout seeds, fork draws, mini-batch order) from the rank's
-    seed and the step alone: ranks sample apart, and a resume on any number of ranks continues."""
-    return random.Random(f"{dist.rank_seed(seed)}:{step}")
-
-
-def build_batch(prompts: list[list[int]], rollouts: list[Rollout], advantages: list[list[float]],
-                pad_id: int, device=None) -> dict[str, torch.Tensor]:
-    """One right-padded sequence per rollout: prompt + response. Targets are shifted by one:
-    position t of the (B, T-1) tensors scores token t+1; `action_mask` is 1 on the response tokens
-    the policy sampled (0 on the prompt, the tool results and the padding). On `device`: the
-    policy's (on a GPU the forward refuses inputs left on the CPU).
-
-    No rollouts (a rank whose shard is empty under torchrun): one two-token row that counts nothing,
-    so the rank can still run the zero-weight forward/backward passes DDP waits for."""
-    if not rollouts:
-        return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long, device=device),
-                "attention_mask": torch.ones(1, 2, dtype=torch.long, device=device),
-                "action_mask": torch.zeros(1, 1, device=device),
-                "adv": torch.zeros(1, 1, device=device)}
-    seqs = [prompts[r.question] + r.response_ids for r in rollouts]
-    t = max(map(len, seqs))
-    ids, attention, action_mask, adv = [], [], [], []
-    for seq, r, a in zip(seqs, rollouts, advantages, strict=True):
-        before, pad = len(prompts[r.question]) - 1, t - len(seq)  # prompt targets; padding
-        ids.append(seq + [pad_id] * pad)
-        attention.append([1] * len(seq) + [0] * pad)
-        action_mask.append([0.0] * before + [float(m) for m in r.action_mask] + [0.0] * pad)
-        adv.append([0.0] * before + [float(x) for x in a] + [0.0] * pad)
-    return {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),  # (B, T)
-            "attention_mask": torch.tensor(attention, dtype=torch.long, device=device),  # (B, T)
-            "action_mask": torch.tensor(action_mask, device=device),  # (B, T-1), results masked
-            "adv": torch.tensor(adv, device=device)}  # (B, T-1)
-
-
-def micro_batch(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
-    """The given rows of every tensor of the batch."""
-    return {k: v[rows] for k, v in batch.items()}
+    targets_tensor = padded(targets, torch.float32)[:, 1:]  # (U, T-1)
+    width = targets_tensor.shape[1]
+    return {"input_ids": padded(seqs, torch.long),  # (U, T)
+            "attention_mask": padded([[1] * len(s) for s in seqs], torch.long),  # (U, T)
+            "targets": targets_tensor,  # (U, T-1)
+            "rows": torch.tensor(rows, device=device),  # (B,)
+            "action_mask": targets_tensor[rows],  # (B, T-1)
+            "advantages": padded(advantages, torch.float32)[:, 1:1 + width]}  # (B, T-1)
 
 
 def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                     share_prefixes: bool = True) -> torch.Tensor:
-    """log pi(token) at every target of the batch, under softmax(logits / temperature), trimmed to
-    its longest sequence: (b, t-1); a shared prefix (the question, a trunk) runs once."""
-    t = int(batch["attention_mask"].sum(1).max())
-    return token_logprobs(model, batch["input_ids"][:, :t], batch["attention_mask"][:, :t],
-                          temperature=temperature, share_prefixes=share_prefixes)
+    """(B, T-1) log π(token t+1 | tokens ≤ t) at the sampled tokens (0 elsewhere), under
+    softmax(logits / temperature), the rollouts' sampling distribution; a prefix the rows share
+    (a group's prompt) runs once with --share-prefixes."""
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                          temperature=temperature, target_mask=batch["targets"],
+                          share_prefixes=share_prefixes)  # (U, T-1)
+    return logp[batch["rows"]]
+
+
+def microbatches(samples: list[TrainingSample], size: int, share_prefixes: bool = False
+                 ) -> list[tuple[list[TrainingSample], float]]:
+    """(samples, weight) micro-batches of at most `size` distinct samples and their copies, in
+    prefix order (shared prefixes pack together), as many on every rank: a rank with fewer runs
+    weight-0 passes on a placeholder: under DDP each backward, under FSDP2 each forward, is a
+    collective."""
+    placeholder = TrainingSample((), [0], [0], [1], [0.0])
+    filler = samples[:1] or [placeholder]
+    copies = defaultdict(list)
+    for s in samples:
+        copies[sample_tokens(s)].append(s)
+    if share_prefixes:
+        distinct = sorted(copies)
+    else:
+        distinct = sorted(copies, key=lambda k: len(k[0]) + len(k[1]))
+    parts = [[s for k in distinct[b:b + size] for s in copies[k]]
+             for b in range(0, len(distinct), size)]
+    return dist.same_count(parts, filler)
+
+
+def keep_logprobs(samples: list[TrainingSample], logp: torch.Tensor, key: str) -> None:
+    """sample.<key> = its row of `logp` (B, T-1), cut to the sample's own length."""
+    for s, row in zip(samples, logp, strict=True):
+        setattr(s, key, row[:len(s.prompt_ids) + len(s.response_ids) - 1])
+
+
+def stacked(samples: list[TrainingSample], key: str) -> torch.Tensor:
+    """The samples' stored log-probs (`key`), padded to (B, T-1) as action_logprobs returns them."""
+    return pad_sequence([getattr(s, key) for s in samples], batch_first=True)
+
+
+@torch.no_grad()
+def policy_logprobs(model, samples: list[TrainingSample], args: Args, key: str,
+                    adapter_off: bool = False) -> None:
+    """sample.<key> = its log-probs under `model` (adapter_off: LoRA's base model), no gradient."""
+    device = next(model.parameters()).device
+    for micro, _ in microbatches(samples, args.micro_batch_size, args.share_prefixes):
+        with unwrap(model).disable_adapter() if adapter_off else nullcontext():
+            logp = action_logprobs(model, build_batch(micro, device), args.temperature,
+                                   args.share_prefixes)
+        keep_logprobs(micro, logp, key)
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi_theta || pi_ref), e^x - x - 1 with x = log pi_ref - log
-    pi_theta, clamped to [-10, 10]: the authors' verl fork (scripts: kl_loss_type=low_var_kl)."""
-    log_ratio = ref_logp - logp
-    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+    """Per-token k3 estimate of KL(π_θ ‖ π_ref) (Schulman 2020; verl's low_var_kl): e^x − x − 1,
+    x = log π_ref − log π_θ clamped to [−20, 20] first (no NaN gradient from an overflowing exp),
+    the estimate then to [−10, 10]."""
+    x = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(x) - x - 1, min=-10.0, max=10.0)
 
 
-def update(policy, optimizer, batch: dict, args: Args, rng: random.Random, reference=None) -> dict:
-    """One PPO epoch over the batch in `minibatches` optimizer steps (code: 1 epoch, mini-batch 16).
-    With --kl-coef the k3 KL to the initial policy joins the loss: `reference`, or with LoRA (None)
-    the base model, adapter off.
+def update(policy, optimizer, samples: list[TrainingSample], args: Args, rng: np.random.Generator,
+           reference=None) -> dict:
+    """--ppo-epochs passes over the step's samples in minibatches of about --minibatch-size, an
+    optimizer step each: the sum of `policy_loss` over a minibatch divided by its `loss_divisor`.
 
-    Under torchrun `batch` holds this rank's questions and `policy` is the DDP-wrapped model: the
-    token-mean divides by the global policy-token count, and the loss is multiplied by
-    `dist.grad_scale()` because DDP averages gradients over ranks; so one optimizer step is the same
-    update on 1, 2 or 8 ranks. Every rank runs as many micro-batches (`dist.same_count`)."""
-    b, size, kl_on = batch["input_ids"].shape[0], args.micro_batch_size, args.kl_coef > 0
-    micro = lambda rows: dist.same_count([rows[i:i + size] for i in range(0, len(rows), size)], [0])
-    # pi_old: the policy that sampled the batch, recomputed under the training model as verl does.
-    # With one optimizer step per batch the policy is still pi_old during the update, so
-    # logp.detach() is the same number and the extra forward pass is skipped.
-    recompute = args.minibatches > 1
-    with torch.no_grad():
-        batch["old_logp"] = torch.zeros_like(batch["adv"])
-        batch["ref_logp"] = torch.zeros_like(batch["adv"])
-        for rows, _ in micro(list(range(b))) if recompute or kl_on else []:
-            mb = micro_batch(batch, rows)
-            if recompute:
-                lp = action_logprobs(policy, mb, args.temperature, args.share_prefixes)
-                batch["old_logp"][rows, :lp.shape[1]] = lp
-            if kl_on:  # pi_ref: the initial policy, frozen; with LoRA the base model, adapter off
-                ref = policy if reference is None else reference
-                adapter_off = models.unwrap(policy).disable_adapter() if reference is None else None
-                with adapter_off or nullcontext():
-                    lp = action_logprobs(ref, mb, args.temperature, args.share_prefixes)
-                batch["ref_logp"][rows, :lp.shape[1]] = lp
-    order = list(range(b))
-    rng.shuffle(order)
-    stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "grad_norm": 0.0}
-    # (B, T-1) token weights, (B,) each row's share of the normaliser
-    token_weight, units = loss_weights(batch["action_mask"], resolve_loss_agg(args))
+    Under torchrun `samples` are this rank's: every rank draws the same permutation of the global
+    list and trains its part of each minibatch, and the divisor is global, so a step is the same on
+    1 or 8 ranks. A minibatch whose loss or gradient is not finite, or whose k1 estimate of
+    KL(π_old ‖ π) per sample passes --kl-threshold, abandons the rest of the update (ml-loop)."""
+    t0 = time.time()
+    gathered = dist.all_gather_object([s.origin for s in samples])
+    origins = sorted(origin for part in gathered for origin in part)  # every rank's samples
+    if not origins:  # no rank has a sample (LOOP: every rollout filtered)
+        return {"gradient_steps": 0, "abandoned": 0.0, "time_logprobs_s": 0.0}
+    mine = {s.origin: s for s in samples}
+    n_minibatches = max(1, math.ceil(len(origins) / args.minibatch_size))
+    minibatches = []
+    for _ in range(args.ppo_epochs):  # a new order each epoch
+        for part in np.array_split(rng.permutation(len(origins)), n_minibatches):
+            minibatches.append([mine[origins[j]] for j in part if origins[j] in mine])
+    # π_old, the policy that sampled the rollouts: the first minibatch trains on it before any
+    # step, so its own forward, detached, is π_old; every other sample's is computed now
+    first = {s.origin for s in minibatches[0]}
+    later = dict.fromkeys(s.origin for mb in minibatches[1:] for s in mb if s.origin not in first)
+    policy_logprobs(policy, [mine[o] for o in later], args, "old_logp")
+    if args.kl_coef > 0:  # π_ref: a frozen copy, or with LoRA the base model, adapter off
+        policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
+                        adapter_off=reference is None)
+    time_logprobs = time.time() - t0
+    params = [p for p in policy.parameters() if p.requires_grad]
+    device = next(policy.parameters()).device
+    totals = dict.fromkeys(LOSS_STATS, 0.0)  # this rank's, over the optimizer steps taken
+    steps = dict(divisor=0.0, tokens=0.0, grad_norm=0.0, taken=0)
+    ratio_min, ratio_max, abandoned = math.inf, -math.inf, False
     policy.train()
-    for rows_mb in np.array_split(order, args.minibatches):  # exactly `minibatches` on every rank
-        rows_mb = rows_mb.tolist()
-        # the global mini-batch's weighted mean: every rank divides by the same tokens / responses
-        normaliser = max(1.0, dist.all_reduce(units[rows_mb].sum().item()))
-        for rows, weight in micro(rows_mb):
-            # all-zero advantages (every rollout -1, say): exactly zero gradient, skipped jointly
-            active = weight > 0 and (kl_on or bool(batch["adv"][rows].any()))
-            if not dist.all_reduce(int(active), "max"):
-                continue
-            mb = micro_batch(batch, rows)
-            logp = action_logprobs(policy, mb, args.temperature, args.share_prefixes)
-            t = logp.shape[1]
-            weights, adv = token_weight[rows, :t] * weight, mb["adv"][:, :t]
-            old_logp = mb["old_logp"][:, :t] if recompute else logp.detach()
-            loss_sum, clipped = ppo_dual_clip_loss(logp, old_logp, adv, weights, args.clip_low,
-                                                   args.clip_high, args.dual_clip)
-            loss = loss_sum / normaliser
-            if kl_on:  # KL(pi || ref), aggregated as the loss
-                kl = (low_var_kl(logp, mb["ref_logp"][:, :t]) * weights).sum() / normaliser
-                loss = loss + args.kl_coef * kl
-                stats["kl"] += kl.item()
-            (loss * dist.grad_scale()).backward()  # weight 0: a zero gradient the ranks still sum
-            stats["loss"] += loss.item()
-            stats["clipped"] += clipped.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    for index, minibatch in enumerate(minibatches):
+        divisor = loss_divisor(minibatch, args)  # global
+        tokens = dist.all_reduce(float(sum(sum(s.action_mask) for s in minibatch)))  # global
+        before, sums = dict(totals), dict.fromkeys(LOSS_STATS, 0.0)  # sums: this minibatch's
+        low, high, backward = math.inf, -math.inf, False
+        optimizer.zero_grad()
+        for micro, weight in microbatches(minibatch, args.micro_batch_size, args.share_prefixes):
+            signal = weight > 0 and (args.kl_coef > 0 or any(any(s.advantages) for s in micro))
+            if args.ppo_epochs == 1 and not dist.all_reduce(int(signal), "max"):
+                continue  # A = 0 on every rank's rows, no KL: a zero gradient, not computed
+            batch = build_batch(micro, device)
+            logp = action_logprobs(policy, batch, args.temperature, args.share_prefixes)  # (B, T-1)
+            batch["action_mask"] = batch["action_mask"] * weight  # weight 0: the placeholder
+            if index == 0 or not weight:  # on-policy (the placeholder stores nothing)
+                batch["old_logp"] = logp.detach()
+            else:
+                batch["old_logp"] = stacked(micro, "old_logp")
+            if index == 0 and weight and args.ppo_epochs > 1:  # a later epoch reads it
+                keep_logprobs(micro, logp.detach(), "old_logp")
+            if args.kl_coef > 0:
+                batch["ref_logp"] = stacked(micro, "ref_logp") if weight else logp.detach()
+            loss, stats = policy_loss(logp, batch, args)
+            (loss / divisor * dist.grad_scale()).backward()
+            backward = True
+            with torch.no_grad():  # the ratio's spread; KL(π_old ‖ π) per sample (ml-loop's k1, k3)
+                mask = batch["action_mask"]
+                log_ratio = (logp - batch["old_logp"]) * mask  # (B, T-1)
+                per_sample = log_ratio.sum(1)  # (B,) log π/π_old over each sample's tokens
+                ratios = torch.exp(log_ratio[mask.bool()])
+                stats.update(loss=loss.item(), ratio_sum=float(ratios.sum()),
+                             ratio_tokens=float(ratios.numel()), k1=float(-per_sample.sum()),
+                             k3=float((torch.expm1(per_sample.clamp(max=50.0)) - per_sample).sum()),
+                             samples=float(len(micro)) if weight else 0.0)
+                if ratios.numel():
+                    low, high = min(low, float(ratios.min())), max(high, float(ratios.max()))
+            for key, value in stats.items():
+                sums[key] += value
+                totals[key] += value
+        if not backward:  # every micro-batch skipped: AdamW still steps, on a zero gradient
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        reduced = dist.all_reduce(torch.tensor([sums["loss"], sums["k1"], sums["samples"]],
+                                               dtype=torch.float64)).tolist()
+        k1 = reduced[1] / max(reduced[2], 1.0)
+        finite = math.isfinite(reduced[0]) and math.isfinite(grad_norm)
+        if not finite or (args.kl_threshold > 0 and abs(k1) > args.kl_threshold):
+            optimizer.zero_grad(set_to_none=True)
+            totals, abandoned = before, True  # this minibatch counts for nothing
+            break
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        stats["grad_norm"] += float(grad_norm)
+        steps["divisor"] += divisor
+        steps["tokens"] += tokens
+        steps["grad_norm"] += grad_norm
+        steps["taken"] += 1
+        ratio_min = min(ratio_min, dist.all_reduce(low, "min"))
+        ratio_max = max(ratio_max, dist.all_reduce(high, "max"))
     policy.eval()
-    total = max(1.0, dist.all_reduce(batch["action_mask"].sum().item()))
-    loss, clipped, kl = (dist.all_reduce(stats[k]) for k in ("loss", "clipped", "kl"))  # summed
-    return {"loss": loss / args.minibatches, "clip_fraction": clipped / total,
-            "kl": kl / args.minibatches, "grad_norm": stats["grad_norm"] / args.minibatches}
+    reduced = dist.all_reduce(torch.tensor([totals[k] for k in LOSS_STATS], dtype=torch.float64))
+    total = dict(zip(LOSS_STATS, reduced.tolist(), strict=True))  # over ranks
+    taken, n = steps["taken"], max(total["samples"], 1.0)
+    measured = total["ratio_tokens"] > 0
+    out = {"loss": total["loss"] / steps["divisor"] if taken else 0.0,
+           "clip_fraction": total["clipped"] / max(steps["tokens"], 1.0),
+           "grad_norm": steps["grad_norm"] / max(taken, 1), "gradient_steps": taken,
+           "ratio_mean": total["ratio_sum"] / total["ratio_tokens"] if measured else 1.0,
+           "ratio_min": ratio_min if measured else 1.0, "ratio_max": ratio_max if measured else 1.0,
+           "kl_k1": total["k1"] / n, "kl_k3": total["k3"] / n,
+           "abandoned": float(abandoned), "time_logprobs_s": time_logprobs}
+    if args.kl_coef > 0:
+        out["kl"] = total["kl"] / steps["divisor"] if taken else 0.0
+    return out
+
+
+# what update sums over micro-batches: policy_loss's (loss, clipped tokens, kl) and the ratio's
+LOSS_STATS = ("loss", "clipped", "kl", "ratio_sum", "ratio_tokens", "k1", "k3", "samples")
+
+
+# ==================================================================================================
+# SCAFFOLDING of ARPO's own: its metrics, evaluation, the expert's demonstrations, environments
+# ==================================================================================================
+def response_row(r: Rollout) -> dict:
+    """A response's figures for the metrics: a small record each rank sends to rank 0."""
+    return {"reward": r.reward, "won": r.won, "forked": r.parent is not None, "finish": r.finish,
+            "policy_tokens": sum(r.action_mask),
+            "result_tokens": len(r.action_mask) - sum(r.action_mask),
+            "calls": dict(r.tool_calls),
+            "executed": sum(r.tool_calls[t] - r.shared_calls[t] for t in TOOL_TAGS),
+            "delta_h": list(r.delta_h), "forks": list(r.forked)}
+
+
+def response_metrics(rows: list[dict], num_questions: int, prefix: str = "") -> dict:
+    """Means over responses (reward, success, format errors, endings), tool calls per question,
+    and the branch signal dH at tool results with the share of them that forked."""
+    rewards = [row["reward"] for row in rows]
+    dh = [d for row in rows for d in row["delta_h"]]
+    out = {"rollouts": len(rows), "reward_mean": float(np.mean(rewards)),
+           "success_rate": float(np.mean([row["won"] for row in rows])),
+           "format_error_rate": float(np.mean([rw <= -1 for rw in rewards])),
+           "num_tokens": sum(row["policy_tokens"] for row in rows),
+           "result_tokens": sum(row["result_tokens"] for row in rows),
+           "forks_per_question": sum(row["forked"] for row in rows) / num_questions,
+           "tool_limit_rate": float(np.mean([row["finish"] == "tool_limit" for row in rows])),
+           "empty_call_rate": float(np.mean([row["finish"] == "empty_call" for row in rows]))}
+    for tag in TOOL_TAGS:  # calls written in the M responses of a question
+        calls = sum(row["calls"][tag] for row in rows)
+        out[f"tool_calls/{tag}_per_question"] = calls / num_questions
+    # calls actually run per question (the paper's tool-call budget): a fork's shared prefix once
+    out["tool_calls/executed_per_question"] = sum(row["executed"] for row in rows) / num_questions
+    out["tool_calls/per_rollout"] = sum(sum(row["calls"].values()) for row in rows) / len(rows)
+    if dh:
+        q = np.quantile(dh, [0.1, 0.5, 0.9])
+        out.update({"delta_h/mean": float(np.mean(dh)), "delta_h/p10": float(q[0]),
+                    "delta_h/p50": float(q[1]), "delta_h/p90": float(q[2]),
+                    "delta_h/count": len(dh)})
+    return {prefix + k: v for k, v in out.items()}
+
+
+def rollout_metrics(rollouts: list[Rollout], samples: list[TrainingSample], args: Args) -> dict:
+    """The step's responses over all ranks."""
+    rows = [row for part in dist.all_gather_object([response_row(r) for r in rollouts])
+            for row in part]
+    return response_metrics(rows, args.tasks_per_step)
+
+
+def evaluate(r: run.Run, pool, tasks: list, args: Args, step: int, stage: str,
+             prefix: str = "eval/") -> dict:
+    """Greedy, one response per question (no forks), after `step` updates; transcripts (the
+    model's text between tool results, each result as the observation) in <out>/transcripts."""
+    rollouts = play(r, pool, tasks, list(range(len(tasks))), args, step, train=False)
+    run.write_transcripts(args, stage, [run.transcript(
+        r.tokenizer, x.prompt_ids + x.response_ids, [0] * len(x.prompt_ids) + x.action_mask,
+        task=tasks[x.question], won=x.won, reward=x.reward) for x in rollouts])
+    m = response_metrics([response_row(x) for x in rollouts], len(tasks))
+    return {prefix + "success_rate": m["success_rate"], prefix + "reward_mean": m["reward_mean"],
+            prefix + "format_error_rate": m["format_error_rate"],
+            prefix + "tool_calls_per_question": m["tool_calls/per_rollout"]}
 
 
 def demo_rollout(tokenizer, segments: list[tuple[str, int]], question: int = 0) -> Rollout:
     """The demonstration as a Rollout, its segments tokenized one by one as a rollout's, results
-    masked (`action_mask` 0): `build_batch` masks them exactly as in the RL loss."""
+    masked (`action_mask` 0), exactly as in the RL loss."""
     r = Rollout(question)
     for text, policy in segments:
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -585,109 +809,28 @@ def demo_rollout(tokenizer, segments: list[tuple[str, int]], question: int = 0) 
     return r
 
 
-def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
-    """SFT on the env's scripted expert (the paper starts RL from a Tool-Star SFT model): the NLL of
-    the expert's tokens in its correct demonstrations of `--cold-start-episodes` training questions
-    that fit the response budget (the policy could never finish a longer one). {}: none."""
-    t0, rng = time.time(), random.Random(args.seed)
-    if not hasattr(env, "expert_demo"):
+def demonstrations(r: run.Run, envs: Envs, args: Args, rng: np.random.Generator
+                   ) -> tuple[list[TrainingSample], int, int]:
+    """The env's scripted expert on --cold-start-episodes training questions (the paper starts RL
+    from a Tool-Star SFT model): its correct demonstrations that fit the response budget (the
+    policy could never finish a longer one), a sample each; (samples, won, played)."""
+    if not hasattr(envs.env, "expert_demo"):
         run.say(f"[cold start] skipped: no scripted expert for the {args.env!r} environment")
-        return {}
-    prompts, demos = [], []
-    for task in rng.sample(train_tasks, min(args.cold_start_episodes, len(train_tasks))):
-        question, info = env.reset(task)
-        if (segments := env.expert_demo(question)) is None:
+        return [], 0, 0
+    n = min(args.cold_start_episodes, len(envs.train_tasks))
+    samples = []
+    for i in rng.choice(len(envs.train_tasks), n, replace=False):
+        task = envs.train_tasks[i]
+        question, info = envs.env.reset(task)
+        if (segments := envs.env.expert_demo(question)) is None:
             continue
-        demo = demo_rollout(r.tokenizer, segments, question=len(demos))
-        _, info = score_response(env, task, "".join(text for text, _ in segments))
-        if info.get("won") and len(demo.response_ids) <= args.max_new_tokens:
-            prompts.append(build_prompt(r.tokenizer, question, info))
-            demos.append(demo)
-    if not demos:
-        run.say("[cold start] skipped: the expert could not demonstrate any of these tasks")
-        return {}
-    unused = [[0.0] * len(d.response_ids) for d in demos]  # SFT reads no advantage
-    batch = build_batch(prompts, demos, unused, r.tokenizer.pad_token_id, device=r.device)  # all
-
-    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # expert tokens, no results
-        logp = action_logprobs(r.policy, micro_batch(batch, rows), 1.0, args.share_prefixes)
-        mask = batch["action_mask"][rows, :logp.shape[1]]
-        return (logp * mask).sum(), mask.sum().item()
-
-    def permute(n: int) -> list[int]:  # an epoch's order, from the stream that chose the questions
-        order = list(range(n))
-        rng.shuffle(order)
-        return order
-    loss = run.sft(r.policy, len(demos), log_likelihood, lr=args.cold_start_lr,
-                   epochs=args.cold_start_epochs, weight_decay=args.weight_decay,
-                   max_grad_norm=args.max_grad_norm, micro_batch_size=args.micro_batch_size,
-                   permute=permute)
-    r.generator.update_weights(r.model)
-    run.say(f"[cold start] SFT on {len(demos)} expert demonstrations, {args.cold_start_epochs} "
-            f"epochs: last-epoch loss {loss:.3f} ({time.time() - t0:.0f}s)")
-    return {"cold_start/episodes": len(demos), "cold_start/loss": loss,
-            "cold_start/time_s": time.time() - t0}
-
-
-def rollout_metrics(rollouts: list[Rollout], rewards: list[float], infos: list[dict],
-                    num_questions: int) -> dict:
-    dh = [d for r in rollouts for d in r.delta_h]
-    calls = {tag: sum(r.tool_calls[tag] for r in rollouts) for tag in TOOL_TAGS}
-    out = {"rollouts": len(rollouts), "reward_mean": float(np.mean(rewards)),
-           "success_rate": float(np.mean([bool(i.get("won", False)) for i in infos])),
-           "format_error_rate": float(np.mean([rw <= -1 for rw in rewards])),
-           "num_tokens": sum(sum(r.action_mask) for r in rollouts),
-           "result_tokens": sum(len(r.action_mask) - sum(r.action_mask) for r in rollouts),
-           "forks_per_question": sum(r.parent is not None for r in rollouts) / num_questions,
-           "tool_limit_rate": float(np.mean([r.finish == "tool_limit" for r in rollouts])),
-           "empty_call_rate": float(np.mean([r.finish == "empty_call" for r in rollouts]))}
-    for tag in TOOL_TAGS:  # calls written in the M responses of a question
-        out[f"tool_calls/{tag}_per_question"] = calls[tag] / num_questions
-    # calls actually run per question (the paper's tool-call budget): a fork's shared prefix once
-    out["tool_calls/executed_per_question"] = sum(
-        r.tool_calls[t] - r.shared_calls[t] for r in rollouts for t in TOOL_TAGS) / num_questions
-    out["tool_calls/per_rollout"] = sum(calls.values()) / len(rollouts)
-    if dh:
-        q = np.quantile(dh, [0.1, 0.5, 0.9])
-        out.update({"delta_h/mean": float(np.mean(dh)), "delta_h/p10": float(q[0]),
-                    "delta_h/p50": float(q[1]), "delta_h/p90": float(q[2]),
-                    "delta_h/count": len(dh)})
-    return out
-
-
-def gather_rollouts(rollouts: list[Rollout], rewards: list[float], infos: list[dict]
-                    ) -> tuple[list[Rollout], list[float], list[dict]]:
-    """Every rank's rollouts, rewards and outcomes: the metrics of the whole step (rank 0 logs)."""
-    outcomes = [{"won": bool(i.get("won", False))} for i in infos]
-    parts = dist.all_gather_object((rollouts, rewards, outcomes))
-    return ([r for p in parts for r in p[0]], [x for p in parts for x in p[1]],
-            [i for p in parts for i in p[2]])
-
-
-def evaluate(generator, tokenizer, env, tasks: list, args: Args, stage: str) -> dict:
-    """Greedy, one rollout per held-out question (no forks): the "eval/..." metrics; transcripts
-    (the model's text between tool results, each result as the observation) in <out>/transcripts."""
-    prompts = [build_prompt(tokenizer, *env.reset(t)) for t in tasks]
-    rng = random.Random(args.seed)
-    rollouts = rollout(generator, tokenizer, env, prompts, args, rng, greedy=True)
-    rewards, infos = score_rollouts(env, tasks, rollouts, tokenizer)
-    run.write_transcripts(args, stage, [run.transcript(
-        tokenizer, prompts[r.question] + r.response_ids,
-        [0] * len(prompts[r.question]) + r.action_mask,
-        task=tasks[r.question], won=info.get("won"), reward=reward)
-        for r, reward, info in zip(rollouts, rewards, infos, strict=True)])
-    m = rollout_metrics(rollouts, rewards, infos, len(tasks))
-    return {"eval/success_rate": m["success_rate"], "eval/reward_mean": m["reward_mean"],
-            "eval/format_error_rate": m["format_error_rate"],
-            "eval/tool_calls_per_question": m["tool_calls/per_rollout"]}
-
-
-@dataclass
-class Envs:
-    """The environment (one: ARPO scores whole responses) and its train / held-out tasks."""
-    env: object
-    train_tasks: list
-    eval_tasks: list
+        demo = demo_rollout(r.tokenizer, segments)
+        _, outcome = score_response(envs.env, task, "".join(text for text, _ in segments))
+        if outcome.get("won") and len(demo.response_ids) <= args.max_new_tokens:
+            prompt = build_prompt(r.tokenizer, question, info)
+            samples.append(TrainingSample((len(samples),), prompt, demo.response_ids,
+                                          demo.action_mask, [0.0] * len(demo.response_ids)))
+    return samples, len(samples), n
 
 
 TOOLLESS_ENVS = ("toy",)  # the tests' fast game: one turn (turns=1), no tools
@@ -695,8 +838,9 @@ TOOLLESS_ENVS = ("toy",)  # the tests' fast game: one turn (turns=1), no tools
 
 def build_envs(args: Args) -> Envs:
     """The environment and its tasks, before the model loads (a bad --env: one line, no load). ARPO
-    runs a response's tool calls through `env.execute_tool` and scores it in one `env.step`: an env
-    without that hook is refused (it would play the response as its first turn); toy by name."""
+    runs a response's tool calls through `env.execute_tool` and scores it in one `env.step`, so the
+    env itself plays every rollout: an env without that hook is refused (it would play the response
+    as its first turn); toy by name."""
     options = {"turns": 1} if args.env == "toy" else {}  # one response per question: one toy turn
     if args.env == "tools":  # its retriever
         options["topk"] = args.search_topk
@@ -708,79 +852,155 @@ def build_envs(args: Args) -> Envs:
     if args.env not in TOOLLESS_ENVS:
         require(env, "execute_tool", script="arpo.py", name=args.env,
                 why="ARPO runs the tool calls of one response through it; --env tools has it")
-    return Envs(env, train_tasks, eval_tasks)
+    main = dist.is_main()
+    return Envs(env, options, train_tasks, eval_tasks, env, env if main else None,
+                env if main and args.probe_tasks else None)
 
 
-def summary(extra: dict, n_questions: int, args: Args) -> dict:
-    """Print a held-out question before and after RL, then each stage's held-out success and mean
-    reward; return them (eval_before, reward_before, ...)."""
-    run.report(args, extra, n_questions, also="eval/reward_mean")
-    stages = {s: extra[s] for s in run.STAGES if s in extra}  # a resumed run: from its checkpoint
-    names = {"base": "before", "cold_start": "cold_start", "rl": "after"}
-    return {f"{k}_{names[s]}": m[f"eval/{v}"] for s, m in stages.items()
-            for k, v in (("eval", "success_rate"), ("reward", "reward_mean"))}
+def planned_sequence(args: Args) -> tuple[int, str]:
+    """--dry-run's longest training sequence: the question prompt (tools: 115-152 tokens) and the
+    response."""
+    return 256 + args.max_new_tokens, "256 prompt tokens + --max-new-tokens"
 
 
-def step_questions(train_tasks: list, args: Args, step: int) -> list:
-    """Step n's --tasks-per-step questions, in order through the training set: the same list on
-    every rank, of which each rank rolls out its share of whole questions (`dist.shard`)."""
-    first = (step - 1) * args.tasks_per_step
-    n = len(train_tasks)
-    return dist.shard([train_tasks[(first + i) % n] for i in range(args.tasks_per_step)])
+# ==================================================================================================
+# SCAFFOLDING: randomness, tasks, evaluation, the cold start, environments, main(); the same text in
+# loop.py, arpo.py and t2po.py
+# ==================================================================================================
+def step_rng(seed: int, step: int) -> np.random.Generator:
+    """The randomness of step `step` (1-based; 0: before RL) from the seed and the step alone: a
+    resume continues exactly. With --seed, the step's tasks and the update's order, the same on
+    every rank."""
+    return np.random.default_rng([seed, (step - 1) % 2**32])
 
 
-def overruns(args: Args, step: int, t_start: float, step_times: list[float], t_eval: float) -> bool:
+def sample_seed(*key: int) -> int:
+    """A sampling seed from a key of whole numbers (the run's seed, the step, the rollout, the
+    turn): the same on every rank and for any number of ranks, so a rollout depends on neither."""
+    return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
+
+
+def step_tasks(train_tasks: list, args: Args, step: int) -> list[tuple[int, object]]:
+    """This rank's share of the step's --tasks-per-step training tasks, drawn without replacement
+    from the seed and the step: (group, task) pairs, the group its index among the step's tasks."""
+    picks = step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step, replace=False)
+    return dist.shard([(group, train_tasks[i]) for group, i in enumerate(picks)])
+
+
+def held_out(r: run.Run, envs: Envs, args: Args, stage: str, step: int) -> dict:
+    """The held-out evaluation after `step` updates: rank 0 plays, the others wait for it."""
+    return run.on_main(partial(evaluate, r, envs.eval_pool, envs.eval_tasks, args, step, stage))
+
+
+def probe(r: run.Run, envs: Envs, args: Args, step: int) -> dict:
+    """--probe-tasks: the first training tasks, played as the held-out ones: a learning curve on
+    fixed tasks ({} when off)."""
+    if not args.probe_tasks:
+        return {}
+    tasks = envs.train_tasks[:args.probe_tasks]
+    return run.on_main(partial(evaluate, r, envs.probe_pool, tasks, args, step,
+                               f"probe_step_{step}", "probe/"))
+
+
+def cold_start(r: run.Run, envs: Envs, args: Args) -> dict:
+    """Supervised fine-tuning on the winning episodes of `demonstrations` (the mean negative
+    log-likelihood of their policy tokens), so that RL starts from a policy whose groups sometimes
+    disagree. {}: nothing to learn from."""
+    t0 = time.time()
+    rng = np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
+    samples, won, played = demonstrations(r, envs, args, rng)
+    run.say(f"[cold start] {len(samples)} samples from {won}/{played} winning episodes")
+    if not samples:
+        return {}
+
+    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:
+        batch = build_batch([samples[i] for i in rows], r.device)
+        logp = action_logprobs(r.policy, batch, 1.0, args.share_prefixes)  # (B, T-1)
+        return (logp * batch["action_mask"]).sum(), float(batch["action_mask"].sum())
+
+    def permute(n: int) -> list[int]:  # each epoch's order
+        return rng.permutation(n).tolist()
+
+    with run.precision(args):
+        loss = run.sft(r.policy, len(samples), log_likelihood, lr=args.cold_start_lr,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
+                       permute=permute)
+    r.generator.update_weights(r.model)
+    run.say(f"[cold start] SFT loss {loss:.3f} ({time.time() - t0:.0f}s)")
+    return {"cold_start/episodes": won, "cold_start/samples": len(samples),
+            "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
+
+
+@dataclass
+class Envs:
+    """The environment and its tasks, built before the model loads."""
+
+    env: object  # the environment itself: its scripted expert, --dry-run's prompts
+    options: dict  # the options every copy of it gets
+    train_tasks: list
+    eval_tasks: list
+    pool: object  # what plays this rank's training rollouts
+    eval_pool: object  # rank 0: what plays the held-out tasks (None on other ranks)
+    probe_pool: object  # rank 0, with --probe-tasks: what plays the first training tasks
+
+
+def overruns(args: Args, step: int, t_begin: float, step_times: list[float], t_eval: float) -> bool:
     """--max-minutes: would the next step and the final evaluation overrun? Alike on every rank."""
-    late = lambda: time.time() - t_start + np.mean(step_times) + t_eval > 60 * args.max_minutes
-    return bool(dist.all_reduce(int(args.max_minutes > 0 and step < args.steps and late()), "max"))
+    if args.max_minutes <= 0 or step >= args.steps:
+        return False
+    needed = time.time() - t_begin + sum(step_times) / len(step_times) + t_eval
+    return bool(dist.all_reduce(int(needed > 60 * args.max_minutes), "max"))
 
 
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
-    t_start = time.time()
+    t_begin = time.time()
     args = run.parse(Args, argv, PRESETS, check_args)
-    if args.dry_run:  # a sequence: the question prompt (tools: 115-152 tokens) + the response
-        return run.dry_run(args, 256 + args.max_new_tokens, "256 prompt tokens + --max-new-tokens")
-    envs = build_envs(args)  # before the model: errors cost no load
-    r = run.setup(args, desc=f"arpo[{args.rollout}]")
-    held_out = lambda stage: run.on_main(
-        lambda: evaluate(r.generator, r.tokenizer, envs.env, envs.eval_tasks, args, stage))
-    t_eval = 0.0  # an evaluation's time, for --max-minutes
-    if "base" not in r.extra:  # a resumed run has done these: r.extra holds their results
-        t_eval, r.extra["base"] = time.time(), held_out("base")
-        t_eval = time.time() - t_eval
-        r.logger.log({"step": 0, **r.extra["base"]})
-    if args.cold_start and "cold_start" not in r.extra and (
-            log := cold_start(r, envs.env, envs.train_tasks, args)):  # {}: it had no demonstration
-        run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
-        r.extra["cold_start"] = held_out("cold_start")
-        r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
-                                          for k, v in r.extra["cold_start"].items()}})
+    if args.dry_run:  # the memory plan per rank; no weights load
+        return run.dry_run(args, *planned_sequence(args))
+    envs = build_envs(args)  # before the model: a bad --env costs no load
+    r = run.setup(args)
+    t_eval = 0.0  # one held-out evaluation's seconds, for --max-minutes
+    if args.base_eval and not r.extra:  # a resumed run has done it
+        t0 = time.time()
+        r.extra["base"] = held_out(r, envs, args, "base", 0)
+        t_eval = time.time() - t0
+        curve = {} if args.cold_start else probe(r, envs, args, 0)  # else after the cold start
+        r.logger.log({"step": 0, **r.extra["base"], **curve})
+    if args.cold_start and "cold_start" not in r.extra:
+        if log := cold_start(r, envs, args):  # {}: nothing to learn from
+            run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
+            t0 = time.time()
+            r.extra["cold_start"] = held_out(r, envs, args, "cold_start", 0)
+            t_eval = time.time() - t0
+            held = {k.replace("eval/", "eval_cold_start/"): v
+                    for k, v in r.extra["cold_start"].items()}
+            r.logger.log({"step": 0, **log, **probe(r, envs, args, 0), **held})
+            run.save(r, args, 0)
     line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
     for step in range(r.start_step + 1, args.steps + 1):
-        t0, rng = time.time(), step_rng(args.seed, step)
-        # 1. the step's questions, each question's rollout tree of M responses
-        tasks = step_questions(envs.train_tasks, args, step)
-        prompts = [build_prompt(r.tokenizer, *envs.env.reset(t)) for t in tasks]
-        rollouts = rollout(r.generator, r.tokenizer, envs.env, prompts, args, rng)
-        t_rollout = time.time() - t0
+        t0 = time.time()
+        # 1. rollout: the step's tasks, --group-size rollouts each (this rank's groups)
+        rollouts = training_rollouts(r, envs, args, step)
         r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
-        # 2. the hierarchical reward; GRPO advantages per question, attributed to the tree's tokens
-        rewards, infos = score_rollouts(envs.env, tasks, rollouts, r.tokenizer)
-        advantages = batch_advantages(rollouts, rewards, args.attribution)
-        # 3. PPO dual-clip update; the next rollouts sample from the new policy
-        batch = build_batch(prompts, rollouts, advantages, r.tokenizer.pad_token_id, r.device)
-        stats = update(r.policy, r.optimizer, batch, args, rng, r.reference)
+        t_rollout = time.time() - t0
+        # 2. advantages: one training sample per trained sequence
+        samples = training_samples(rollouts, args)
+        # 3. the update; the next rollouts sample from the new policy
+        with run.precision(args):  # bf16 matmuls where --autocast asks for them
+            trained = update(r.policy, r.optimizer, samples, args, step_rng(args.seed, step),
+                             r.reference)
         r.generator.update_weights(r.model)
-        metrics = rollout_metrics(*gather_rollouts(rollouts, rewards, infos), args.tasks_per_step)
-        line = {"step": step, **metrics, **stats, "time_s": time.time() - t_rl,
-                "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
-                "time_update_s": time.time() - t0 - t_rollout}  # reward, advantages, update
-        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            line.update(held_out(f"step_{step}"))
-        r.logger.log(line)
         step_times.append(time.time() - t0)
-        stop = overruns(args, step, t_start, step_times, t_eval)
+        line = {"step": step, **rollout_metrics(rollouts, samples, args), **trained,
+                "time_s": time.time() - t_rl, "step_time_s": step_times[-1],
+                "time_rollout_s": t_rollout, "time_update_s": step_times[-1] - t_rollout,
+                **probe(r, envs, args, step)}
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            line.update(held_out(r, envs, args, f"step_{step}", step))
+        r.logger.log(line)
+        stop = overruns(args, step, t_begin, step_times, t_eval)
         if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
         if stop:
@@ -788,12 +1008,12 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{args.max_minutes}")
             line["stopped_early_at_step"] = step
             break
-    r.extra["rl"] = held_out("rl")
+    r.extra["rl"] = held_out(r, envs, args, "rl", line["step"])
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
-    final = {**line, **r.extra["rl"], **summary(r.extra, len(envs.eval_tasks), args)}
+    run.report(args, r.extra, len(envs.eval_tasks), REPORTED, t_begin)
     dist.cleanup()
-    return final
+    return {**line, **r.extra}
 
 
 if __name__ == "__main__":

@@ -10,35 +10,50 @@ per-token PPO-clipped objective (clip range [1/(1+eps), 1+eps]) is averaged with
 every minibatch is divided by the constant minibatch size, and two epochs of reshuffled minibatches
 reuse the batch. No critic, no reference model, no KL term: one copy of the LLM in memory.
 
-Run: `python loop.py` (the CPU default), `python loop.py --env appworld` (the paper's settings: GPU,
-vLLM, torchrun; --dry-run prints the memory plan per rank). Ours, not the paper's: an optional cold
-start (SFT on scripted-expert episodes) so that a 135M model on a CPU starts from groups that
-sometimes disagree.
+Read top to bottom: the arguments; the ALGORITHM (the rollout as one sequence, the leave-one-out
+advantage, the clipped objective); then the SCAFFOLDING that arpo.py and t2po.py share word for
+word (the training record, the update, evaluation, the cold start, main). `python loop.py` is the
+CPU default; `python loop.py --env appworld` the paper's settings (GPU, vLLM, torchrun; --dry-run
+prints the memory plan per rank). Ours, not the paper's: the cold start (SFT on scripted-expert
+episodes), so that a 135M model on a CPU starts from groups that sometimes disagree.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
+from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
+import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from common import dist, logprobs, models, run
+from common import cli, dist, run
 from common.cli import opt
 from common.generation import eos_token_ids
+from common.logprobs import token_logprobs
+from common.models import unwrap
 from envs.base import EnvPool
+
+# ==================================================================================================
+# ARGUMENTS
+# ==================================================================================================
+Preset = Literal["auto", "none", "textworld", "appworld"]
 
 
 @dataclass
 class Args(run.RunArgs):
     """LOOP (Chen et al. 2025): leave-one-out PPO for long-horizon LLM agents; docs/loop.md."""
 
-    preset: Literal["auto", "none", "textworld", "appworld"] = "auto"  # the names of PRESETS
+    preset: Preset = opt("run", "auto", "fills each flag not given (PRESETS): textworld (ours, "
+                         "CPU); appworld, the paper's (GPU)")
+    # the shared flags (common/run.py) where LOOP's default differs
     max_turns: int = 2
     lora_rank: int = 16  # paper: 16
     lr: float = 2e-4  # constant; paper: 5e-5
@@ -46,14 +61,14 @@ class Args(run.RunArgs):
     cold_start_lr: float = 2e-4
     steps: int = 5
     save_every: int = 1
-    minibatch_size: int = opt("optimisation", 4, "rollouts per gradient step: the divisor M", ge=1)
-    epochs: int = opt("optimisation", 2, "passes over an iteration's rollouts (reuse)", ge=1)
+    minibatch_size: int = 4  # M, rollouts per gradient step; paper: 32
+    ppo_epochs: int = 2  # paper: 2
+    kl_threshold: float = 20.0  # ml-loop abandons an iteration past it
     clip_eps: float = opt("algorithm", 0.1, "PPO epsilon; clip range [1/(1+eps), 1+eps]", gt=0)
     adv_threshold: float = opt("algorithm", 0.01, "drop rollouts with |advantage| below this", ge=0)
     importance_weight: Literal["token", "turn", "trajectory"] = opt(
         "algorithm", "token", "ratio per token | turn | trajectory (paper ablation)")
     std_normalize: bool = opt("algorithm", False, "divide advantages by the group std (ablation)")
-    kl_threshold: float = opt("algorithm", 20.0, "abandon an iteration whose k1 KL is above", gt=0)
     eval_max_turns: int = opt("environment", 0, "agent turns at evaluation (0 = max-turns)", ge=0)
     max_env_tokens: int = opt("environment", 256, "env output cut to this many tokens", ge=1)
     max_seq_len: int = opt("rollout", 2048, "an episode's token cap (it ends, truncated)", ge=1)
@@ -71,12 +86,186 @@ PRESETS: dict[str, dict] = {
                      micro_batch_size=1, steps=200, dtype="bfloat16", gradient_checkpointing=True,
                      eval_every=10, eval_tasks=57, cold_start=False),
 }
+REPORTED = "eval/reward_mean"  # the held-out figure the last line gives beside the successes
+
+
+def check_args(args: Args) -> None:
+    """The rule between LOOP's flags (each flag's own bounds are declared with it)."""
+    if args.max_seq_len <= args.max_new_tokens:
+        raise cli.bad_flag("loop.py", "max_seq_len", args.max_seq_len, "must be > --max-new-tokens "
+                           f"({args.max_new_tokens}): an episode holds its prompt and a turn")
+
 
 SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with exactly one action "
                  "and nothing else; when actions are listed, copy one of them.")
 
 
-# Advantage (Sec. 3): the leave-one-out baseline
+# ==================================================================================================
+# ALGORITHM (LOOP): the rollout, one growing token sequence per episode
+# ==================================================================================================
+@dataclass
+class Rollout:
+    task: object
+    group: int  # index of its task in the step's list (the same on every rank): its LOO group
+    sample: int = 0  # which of the group's K rollouts; (group, sample) names a rollout on any rank
+    ids: list[int] = field(default_factory=list)  # the whole interaction
+    action_mask: list[int] = field(default_factory=list)  # 1 where the model made the token
+    prompt_length: int = 0  # tokens before the first turn: system prompt, task, observation
+    actions: list[str] = field(default_factory=list)  # the text sent to the environment, per turn
+    reward: float = 0.0
+    won: bool = False
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+    env_error: str | None = None  # what ended the episode when the env failed (EnvPool's info)
+
+    def add(self, ids: list[int], generated: bool) -> None:
+        self.ids += ids
+        self.action_mask += [int(generated)] * len(ids)
+
+
+def chat_pieces(tokenizer) -> tuple[str, str, str]:
+    """Text the chat template puts after an assistant message and around a user message, found by
+    rendering a conversation with marker contents (so any template that appends turns works)."""
+    a_mark, u_mark = "\x00ASSISTANT\x00", "\x00USER\x00"
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": a_mark}]
+    one = tokenizer.apply_chat_template(msgs, tokenize=False)
+    with_user = msgs + [{"role": "user", "content": u_mark}]
+    two = tokenizer.apply_chat_template(with_user, tokenize=False, add_generation_prompt=True)
+    if not two.startswith(one):
+        raise SystemExit("loop.py: this model's chat template rewrites earlier turns; "
+                         "LOOP needs one growing token sequence per episode.")
+    assistant_end = one[one.index(a_mark) + len(a_mark):]
+    user_prefix, user_suffix = two[len(one):].split(u_mark)
+    return assistant_end, user_prefix, user_suffix
+
+
+def with_actions(obs: str, info: dict) -> str:
+    """Show the admissible actions where the env lists them (WebShop, ALFWorld, TextWorld)."""
+    actions = info.get("admissible_actions")
+    return f"{obs}\nAvailable actions: {', '.join(actions)}" if actions else obs
+
+
+def turn_pieces(tokenizer, eos_ids: set[int]) -> dict[str, list[int]]:
+    """Token ids of the chat template's glue between turns (see chat_pieces)."""
+    assistant_end, user_prefix, user_suffix = chat_pieces(tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    end_ids = encode(assistant_end)
+    # The template ends a turn with an EOS id: where the model sampled an EOS, that token stands in
+    # its place and is trained (sampled_end); an expert's turn is written with the template's own.
+    trained_end = end_ids[:1] if end_ids[:1] and end_ids[0] in eos_ids else []
+    return {"end": end_ids, "trained_end": trained_end, "prefix": encode(user_prefix),
+            "suffix": encode(user_suffix)}
+
+
+def sampled_end(sample, pieces: dict) -> list[int]:
+    """The end-of-turn token the model sampled, as an action: whichever EOS id it drew (Qwen2.5 has
+    two, <|im_end|> and <|endoftext|>; ml-loop trains the stop token that was sampled). Nothing when
+    the turn was cut by the token limit, or when the template does not end a turn with an EOS id."""
+    if sample.finish_reason != "eos" or not pieces["trained_end"]:
+        return []
+    stop_id = getattr(sample, "stop_token_id", None)
+    return [stop_id if stop_id is not None else pieces["trained_end"][0]]
+
+
+def first_prompt_ids(tokenizer, obs: str, info: dict) -> list[int]:
+    """System prompt and the task's first observation (with the instruction if it lacks it)."""
+    instruction = info.get("instruction", "")
+    first = obs if not instruction or instruction in obs else f"{instruction}\n\n{obs}"
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": with_actions(first, info)}]
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+
+
+def env_reply_ids(tokenizer, pieces: dict, obs: str, info: dict, max_env_tokens: int) -> list[int]:
+    """The environment's reply as a user turn, cut to max_env_tokens (output truncation)."""
+    reply = tokenizer(with_actions(obs, info), add_special_tokens=False)["input_ids"]
+    reply = reply[:max_env_tokens]
+    return pieces["prefix"] + reply + pieces["suffix"]
+
+
+
+def model_eos_ids(tokenizer, model) -> set[int]:
+    """Every id the model may end a turn with (its generation config's and its config's EOS)."""
+    generation_eos = eos_token_ids(tokenizer, model.generation_config)
+    return generation_eos | eos_token_ids(tokenizer, model.config)
+
+
+def rollout(generator, tokenizer, pool: EnvPool, tasks: list[tuple[int, object]], group_size: int,
+            args: Args, *, step: int, train: bool, temperature: float, max_turns: int,
+            eos_ids: set[int]) -> list[Rollout]:
+    """Play the (group, task) pairs x group_size episodes in lock-step, one growing token sequence
+    each. A sequence never exceeds --max-seq-len: a turn starts only with room for --max-new-tokens
+    and the template's end-of-turn glue; a reply leaving no such room ends the episode (truncated).
+    Each turn's seed comes from the rollout's (group, sample), whatever rank plays it."""
+    pieces = turn_pieces(tokenizer, eos_ids)
+    turn_room = args.max_new_tokens + len(pieces["end"])  # most tokens one agent turn adds
+    episodes = [Rollout(task=task, group=group, sample=k)
+                for group, task in tasks for k in range(group_size)]
+    if not episodes:  # a rank with no groups this step (fewer tasks than ranks)
+        return []
+    for ep, (obs, info) in zip(episodes, pool.reset([ep.task for ep in episodes]), strict=True):
+        ep.add(first_prompt_ids(tokenizer, obs, info), generated=False)
+        ep.prompt_length = len(ep.ids)
+        ep.env_error = info.get("error")
+        ep.done = ep.env_error is not None  # the environment failed at reset: nothing to play
+        if len(ep.ids) + turn_room > args.max_seq_len:
+            raise SystemExit(
+                f"loop.py: --max-seq-len {args.max_seq_len} leaves no room for one turn: the first "
+                f"prompt of task {ep.task!r} has {len(ep.ids)} tokens, a turn up to {turn_room} "
+                f"(--max-new-tokens {args.max_new_tokens} and the end of turn)")
+    for turn in range(max_turns):
+        live = [i for i, ep in enumerate(episodes) if not ep.done]
+        if not live:
+            break
+        seeds = [sample_seed(args.seed, step, int(train), episodes[i].group, episodes[i].sample,
+                             turn) for i in live]
+        samples = generator.generate([episodes[i].ids for i in live], n=1,
+                                     max_new_tokens=args.max_new_tokens, temperature=temperature,
+                                     seeds=seeds)
+        actions: list[str | None] = [None] * len(episodes)
+        for i, [s] in zip(live, samples, strict=True):
+            ep = episodes[i]
+            ep.add(list(s.token_ids), generated=True)
+            # Old log-probs are recomputed, so the model's own EOS is trained like any other token
+            # (the agent learns when to stop); a turn cut by the token limit is closed as context.
+            closed = sampled_end(s, pieces)
+            ep.add(closed, generated=True)
+            ep.add(pieces["end"][len(closed):], generated=False)
+            ep.turns = turn + 1
+            actions[i] = tokenizer.decode(s.token_ids, skip_special_tokens=True)  # env parses
+            ep.actions.append(actions[i])
+        for i, result in enumerate(pool.step(actions)):
+            if result is None:
+                continue
+            obs, reward, done, info = result
+            ep = episodes[i]
+            ep.reward += float(reward)
+            ep.won = bool(info.get("won", False))
+            ep.env_error = info.get("error")  # EnvPool: the step raised or timed out (then done)
+            ep.done = done or turn == max_turns - 1
+            if not ep.done:  # the environment's reply is context, never trained
+                reply = env_reply_ids(tokenizer, pieces, obs, info, args.max_env_tokens)
+                if len(ep.ids) + len(reply) + turn_room > args.max_seq_len:
+                    ep.done = ep.truncated = True  # the reply and a next turn would not fit
+                else:
+                    ep.add(reply, generated=False)
+    return episodes
+
+
+def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Rollout]:
+    """The step's B tasks (this rank's groups), K episodes each, at --temperature."""
+    return rollout(r.generator, r.tokenizer, envs.pool, step_tasks(envs.train_tasks, args, step),
+                   args.group_size, args, step=step, train=True, temperature=args.temperature,
+                   max_turns=args.max_turns, eos_ids=model_eos_ids(r.tokenizer, r.model))
+
+
+# ALGORITHM: the leave-one-out advantage (Sec. 3), and the |A| filter
 def leave_one_out_advantages(returns: list[float], std_normalize: bool = False) -> list[float]:
     """A_k = R_k - 1/(K-1) sum_{j != k} R_j over the K rollouts actually collected for one task."""
     k = len(returns)
@@ -118,404 +307,310 @@ def keep_rollouts(rollouts: list[Rollout], advantages: list[float], threshold: f
     return [k and r.env_error is None for r, k in zip(rollouts, keep, strict=True)]
 
 
-# Objective (Sec. 3): per-token PPO
-def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, turn_ids: torch.Tensor,
-                    level: str) -> tuple[torch.Tensor, torch.Tensor]:
+def training_samples(rollouts: list[Rollout], args: Args) -> list[TrainingSample]:
+    """Each kept rollout is one training sample: its first prompt, then everything after it, the
+    model's tokens trained, every one of them carrying the rollout's A_k."""
+    advantages = group_advantages(rollouts, args.std_normalize)
+    keep = keep_rollouts(rollouts, advantages, args.adv_threshold)
+    samples = []
+    for r, a, kept in zip(rollouts, advantages, keep, strict=True):
+        if kept:
+            mask = r.action_mask[r.prompt_length:]
+            samples.append(TrainingSample((r.group, r.sample), r.ids[:r.prompt_length],
+                                          r.ids[r.prompt_length:], mask, [a] * len(mask)))
+    return samples
+
+
+# ALGORITHM: the objective (Sec. 3): per-token PPO, averaged within each trajectory
+def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, level: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group token log-ratios into the units that carry one importance weight each.
 
-    log_ratio, action_mask, turn_ids: (N, T). Returns (log ratio per unit, unit mask), both (N, U):
-    token -> U = T (each action token its own weight); turn -> U = number of turns (the sum of a
-    turn's token log-ratios: its likelihood ratio's log); trajectory -> U = 1 (whole rollout)."""
+    log_ratio, action_mask: (N, T). Returns (log ratio per unit, action tokens per unit), both
+    (N, U): token -> U = T (each action token its own weight); turn -> U = turns, a turn being a
+    run of action tokens (the sum of its token log-ratios: its likelihood ratio's log); trajectory
+    -> U = 1 (the whole rollout). A unit with 0 tokens is none."""
     mask = action_mask.to(log_ratio.dtype)
     if level == "token":
-        return log_ratio * mask, action_mask.bool()
+        return log_ratio * mask, mask
     if level == "turn":
-        n_units = int(turn_ids.max().item()) + 1 if action_mask.any() else 1
-        idx = turn_ids.clamp(min=0)  # (N, T); masked tokens add 0 anywhere
+        starts = mask * (1 - torch.nn.functional.pad(mask[:, :-1], (1, 0)))  # a turn's first token
+        turn_ids = (starts.cumsum(1) - 1).clamp(min=0).long()  # (N, T); masked tokens add 0
+        n_units = int(turn_ids.max().item()) + 1
         zeros = log_ratio.new_zeros(log_ratio.shape[0], n_units)  # (N, U)
-        sums = zeros.scatter_add(1, idx, log_ratio * mask)
-        counts = zeros.scatter_add(1, idx, mask)
-        return sums, counts > 0
+        sums = zeros.scatter_add(1, turn_ids, log_ratio * mask)
+        return sums, zeros.scatter_add(1, turn_ids, mask)
     if level == "trajectory":
-        return (log_ratio * mask).sum(1, keepdim=True), action_mask.bool().any(1, keepdim=True)
+        return (log_ratio * mask).sum(1, keepdim=True), mask.sum(1, keepdim=True)
     raise ValueError(f"--importance-weight must be token, turn or trajectory, not {level!r}")
 
 
+def policy_loss(logp: torch.Tensor, batch: dict[str, torch.Tensor], args: Args
+                ) -> tuple[torch.Tensor, dict]:
+    """−Σ_i 1/|u(x_i)| Σ_u min(r_u A_i, clip(r_u, 1/(1+ε), 1+ε) A_i) over the batch's rollouts i,
+    u their importance units (tokens; --importance-weight turn, trajectory), r_u = π_θ/π_old of
+    the unit; update divides it by the constant M (loss_divisor). With --kl-coef (an ablation) each
+    rollout also pays β times its mean k3 per action token. Tensors (B, T-1)."""
+    mask = batch["action_mask"]
+    log_ratio = logp - batch["old_logp"]  # (B, T-1)
+    unit_lr, unit_tokens = unit_log_ratios(log_ratio, mask, args.importance_weight)  # (B, U)
+    ratio = torch.exp(torch.clamp(unit_lr, -20.0, 20.0))  # log r clamped, as verl clamps a token's
+    first = mask.argmax(1, keepdim=True)  # (B, 1) a rollout's first action token holds its A_i
+    adv = batch["advantages"].gather(1, first)  # (B, 1): every unit of rollout i gets A_i
+    lo, hi = 1.0 / (1.0 + args.clip_eps), 1.0 + args.clip_eps  # symmetric in log space
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, lo, hi) * adv
+    objective = torch.minimum(unclipped, clipped)  # (B, U), PPO's pessimistic bound
+    units = (unit_tokens > 0).to(ratio.dtype)
+    per_rollout = (objective * units).sum(1) / units.sum(1).clamp(min=1)  # (B,) mean over units
+    stats = {"clipped": float(((unclipped > clipped) * unit_tokens).sum())}  # in tokens
+    if args.kl_coef > 0:  # the KL to π_ref per action token, averaged over the trajectory likewise
+        kl = (low_var_kl(logp, batch["ref_logp"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        per_rollout = per_rollout - args.kl_coef * kl
+        stats["kl"] = float(kl.sum())
+    return -per_rollout.sum(), stats
+
+
+def loss_divisor(minibatch: list[TrainingSample], args: Args) -> float:
+    """The constant M, not the rollouts kept (ml-loop): filtered minibatches are not re-weighted."""
+    return float(args.minibatch_size)
+
+
+# ==================================================================================================
+# SCAFFOLDING: one training record and one update, the same text in loop.py, arpo.py and t2po.py.
+# What differs between the papers is `policy_loss` and `loss_divisor` above.
+# ==================================================================================================
+@dataclass
+class TrainingSample:
+    """One training sequence: a prompt, then a response trained on the tokens the policy sampled."""
+
+    origin: tuple  # (group, rollout, turn): where it came from, the same on every rank
+    prompt_ids: list[int]
+    response_ids: list[int]  # everything after the prompt the loss may see
+    action_mask: list[int]  # per response token: 1 = the policy sampled it (trained), else 0
+    advantages: list[float]  # per response token: A_t
+    old_logp: torch.Tensor | None = None  # (len(prompt) + len(response) - 1,): π_old, set in update
+    ref_logp: torch.Tensor | None = None  # the same under π_ref (--kl-coef), set in update
+
+
+def sample_tokens(sample: TrainingSample) -> tuple:
+    """What a forward pass sees of a sample: two samples with the same tokens run once."""
+    return tuple(sample.prompt_ids), tuple(sample.response_ids), tuple(sample.action_mask)
+
+
+def build_batch(samples: list[TrainingSample], device=None) -> dict[str, torch.Tensor]:
+    """The distinct samples' prompt + response, right-padded: input_ids, attention_mask (U, T) and
+    targets (U, T-1), 1 where token t+1 was sampled; rows (B,): each sample's row among them; per
+    sample action_mask and advantages (B, T-1), aligned with log-probs (logp[:, t] scores t+1)."""
+    row_of: dict[tuple, int] = {}
+    for s in samples:
+        row_of.setdefault(sample_tokens(s), len(row_of))
+    rows = [row_of[sample_tokens(s)] for s in samples]
+    unique = list({sample_tokens(s): s for s in reversed(samples)}.values())[::-1]  # first of each
+    seqs = [s.prompt_ids + s.response_ids for s in unique]
+    targets = [[0] * len(s.prompt_ids) + s.action_mask for s in unique]
+    advantages = [[0.0] * len(s.prompt_ids) + s.advantages for s in samples]
+
+    def padded(values: list[list], dtype: torch.dtype) -> torch.Tensor:  # (n, T), zeros after
+        return pad_sequence([torch.tensor(v, dtype=dtype, device=device) for v in values],
+                            batch_first=True)
+
+    targets_tensor = padded(targets, torch.float32)[:, 1:]  # (U, T-1)
+    width = targets_tensor.shape[1]
+    return {"input_ids": padded(seqs, torch.long),  # (U, T)
+            "attention_mask": padded([[1] * len(s) for s in seqs], torch.long),  # (U, T)
+            "targets": targets_tensor,  # (U, T-1)
+            "rows": torch.tensor(rows, device=device),  # (B,)
+            "action_mask": targets_tensor[rows],  # (B, T-1)
+            "advantages": padded(advantages, torch.float32)[:, 1:1 + width]}  # (B, T-1)
+
+
+def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
+                    share_prefixes: bool = True) -> torch.Tensor:
+    """(B, T-1) log π(token t+1 | tokens ≤ t) at the sampled tokens (0 elsewhere), under
+    softmax(logits / temperature), the rollouts' sampling distribution; a prefix the rows share
+    (a group's prompt) runs once with --share-prefixes."""
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                          temperature=temperature, target_mask=batch["targets"],
+                          share_prefixes=share_prefixes)  # (U, T-1)
+    return logp[batch["rows"]]
+
+
+def microbatches(samples: list[TrainingSample], size: int, share_prefixes: bool = False
+                 ) -> list[tuple[list[TrainingSample], float]]:
+    """(samples, weight) micro-batches of at most `size` distinct samples and their copies, in
+    prefix order (shared prefixes pack together), as many on every rank: a rank with fewer runs
+    weight-0 passes on a placeholder: under DDP each backward, under FSDP2 each forward, is a
+    collective."""
+    placeholder = TrainingSample((), [0], [0], [1], [0.0])
+    filler = samples[:1] or [placeholder]
+    copies = defaultdict(list)
+    for s in samples:
+        copies[sample_tokens(s)].append(s)
+    if share_prefixes:
+        distinct = sorted(copies)
+    else:
+        distinct = sorted(copies, key=lambda k: len(k[0]) + len(k[1]))
+    parts = [[s for k in distinct[b:b + size] for s in copies[k]]
+             for b in range(0, len(distinct), size)]
+    return dist.same_count(parts, filler)
+
+
+def keep_logprobs(samples: list[TrainingSample], logp: torch.Tensor, key: str) -> None:
+    """sample.<key> = its row of `logp` (B, T-1), cut to the sample's own length."""
+    for s, row in zip(samples, logp, strict=True):
+        setattr(s, key, row[:len(s.prompt_ids) + len(s.response_ids) - 1])
+
+
+def stacked(samples: list[TrainingSample], key: str) -> torch.Tensor:
+    """The samples' stored log-probs (`key`), padded to (B, T-1) as action_logprobs returns them."""
+    return pad_sequence([getattr(s, key) for s in samples], batch_first=True)
+
+
+@torch.no_grad()
+def policy_logprobs(model, samples: list[TrainingSample], args: Args, key: str,
+                    adapter_off: bool = False) -> None:
+    """sample.<key> = its log-probs under `model` (adapter_off: LoRA's base model), no gradient."""
+    device = next(model.parameters()).device
+    for micro, _ in microbatches(samples, args.micro_batch_size, args.share_prefixes):
+        with unwrap(model).disable_adapter() if adapter_off else nullcontext():
+            logp = action_logprobs(model, build_batch(micro, device), args.temperature,
+                                   args.share_prefixes)
+        keep_logprobs(micro, logp, key)
+
+
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi_theta || pi_ref) (Schulman 2020), verl's `low_var_kl`:
-    e^x - x - 1, x = ref_logp - logp, clamped to [-10, 10]; x first to [-20, 20] (as verl now does:
-    no value changes, but an overflowing exp gives no NaN gradient). LOOP's paper names no estimator
-    for its KL ablation; ml-loop has no reference model (its `rloo_kl_lambda` shifts advantages)."""
+    """Per-token k3 estimate of KL(π_θ ‖ π_ref) (Schulman 2020; verl's low_var_kl): e^x − x − 1,
+    x = log π_ref − log π_θ clamped to [−20, 20] first (no NaN gradient from an overflowing exp),
+    the estimate then to [−10, 10]."""
     x = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
     return torch.clamp(torch.exp(x) - x - 1, min=-10.0, max=10.0)
 
 
-def loop_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, action_mask: torch.Tensor,
-              advantages: torch.Tensor, turn_ids: torch.Tensor, *, clip_eps: float,
-              level: str = "token", ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-              ) -> tuple[torch.Tensor, dict]:
-    """LOOP surrogate loss SUMMED over a (micro-)batch of N rollouts; `update` divides it by M.
+def update(policy, optimizer, samples: list[TrainingSample], args: Args, rng: np.random.Generator,
+           reference=None) -> dict:
+    """--ppo-epochs passes over the step's samples in minibatches of about --minibatch-size, an
+    optimizer step each: the sum of `policy_loss` over a minibatch divided by its `loss_divisor`.
 
-    new_logp, old_logp, ref_logp, action_mask, turn_ids: (N, T) per target token; advantages: (N,).
-    Returns -sum_i [ 1/|u(x_i)| sum_{u} min(r_u A_i, clip(r_u, 1/(1+eps), 1+eps) A_i) ], u the
-    importance units; L = its sum over the minibatch / M, the constant minibatch size."""
-    log_ratio = new_logp - old_logp.detach()  # (N, T)
-    unit_lr, unit_mask = unit_log_ratios(log_ratio, action_mask, turn_ids, level)  # (N, U)
-    ratio = torch.exp(unit_lr)
-    adv = advantages.to(ratio.dtype)[:, None]  # (N, 1): every token of rollout i gets A_i
-    lo, hi = 1.0 / (1.0 + clip_eps), 1.0 + clip_eps  # symmetric in log space
-    unclipped, clipped = ratio * adv, torch.clamp(ratio, lo, hi) * adv
-    objective = torch.minimum(unclipped, clipped)  # (N, U), PPO pessimistic bound
-    units = unit_mask.to(ratio.dtype)
-    n_units = units.sum(1).clamp(min=1)
-    per_rollout = (objective * units).sum(1) / n_units  # (N,) average within the trajectory
-    if kl_coef > 0:  # ablation: the KL to pi_ref per token, averaged over the trajectory likewise
-        tok = action_mask.to(ratio.dtype)
-        k3 = low_var_kl(new_logp, ref_logp) * tok
-        per_rollout = per_rollout - kl_coef * k3.sum(1) / tok.sum(1).clamp(min=1)
-    loss_sum = -per_rollout.sum()  # update divides it by M
-    with torch.no_grad():
-        tok_mask = action_mask.bool()
-        tok_ratio = torch.exp(log_ratio)[tok_mask]
-        traj_lr = (log_ratio * action_mask.to(log_ratio.dtype)).sum(1)  # (N,) log p/p_old
-        stats = {
-            "clipped": float(((unclipped > clipped) & unit_mask).sum()),  # min took the clip
-            "units": float(unit_mask.sum()),
-            "ratio_sum": float(tok_ratio.sum()), "tokens": float(tok_mask.sum()),
-            "ratio_min": float(tok_ratio.min()) if tok_ratio.numel() else 1.0,
-            "ratio_max": float(tok_ratio.max()) if tok_ratio.numel() else 1.0,
-            # KL(pi_old || pi_theta) from samples of pi_old, per trajectory (ml-loop's estimators):
-            "k1_sum": float((-traj_lr).sum()),  # k1 = -log r; k3 = r - 1 - log r
-            "k3_sum": float((torch.expm1(traj_lr.clamp(max=50.0)) - traj_lr).sum()),
-            "rollouts": float(log_ratio.shape[0]),
-        }
-    return loss_sum, stats
-
-
-# Rollout: one token sequence per episode
-@dataclass
-class Rollout:
-    task: object
-    group: int  # index of its task in the iteration's global task list (the same on every rank)
-    sample: int = 0  # which of the group's K rollouts; (group, sample) names a rollout on any rank
-    ids: list[int] = field(default_factory=list)  # the whole interaction
-    action_mask: list[bool] = field(default_factory=list)  # True where the model made the token
-    turn_ids: list[int] = field(default_factory=list)  # agent turn of a generated token, else -1
-    actions: list[str] = field(default_factory=list)  # the text sent to the environment, per turn
-    reward: float = 0.0
-    won: bool = False
-    turns: int = 0
-    done: bool = False
-    truncated: bool = False
-    env_error: str | None = None  # what ended the episode when the env failed (EnvPool's info)
-    old_logp: list[float] | None = None  # recomputed by the training model before the update
-    ref_logp: list[float] | None = None
-
-    def add(self, ids: list[int], generated: bool, turn: int = -1) -> None:
-        self.ids += ids
-        self.action_mask += [generated] * len(ids)
-        self.turn_ids += [turn if generated else -1] * len(ids)
-
-
-def chat_pieces(tokenizer) -> tuple[str, str, str]:
-    """Text the chat template puts after an assistant message and around a user message, found by
-    rendering a conversation with marker contents (so any template that appends turns works)."""
-    a_mark, u_mark = "\x00ASSISTANT\x00", "\x00USER\x00"
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": a_mark}]
-    one = tokenizer.apply_chat_template(msgs, tokenize=False)
-    with_user = msgs + [{"role": "user", "content": u_mark}]
-    two = tokenizer.apply_chat_template(with_user, tokenize=False, add_generation_prompt=True)
-    if not two.startswith(one):
-        raise SystemExit("loop.py: this model's chat template rewrites earlier turns; "
-                         "LOOP needs one growing token sequence per episode.")
-    assistant_end = one[one.index(a_mark) + len(a_mark):]
-    user_prefix, user_suffix = two[len(one):].split(u_mark)
-    return assistant_end, user_prefix, user_suffix
-
-
-def with_actions(obs: str, info: dict) -> str:
-    """Show the admissible actions where the env lists them (WebShop, ALFWorld, TextWorld)."""
-    actions = info.get("admissible_actions")
-    return f"{obs}\nAvailable actions: {', '.join(actions)}" if actions else obs
-
-
-def turn_pieces(tokenizer, eos_ids: set[int]) -> dict[str, list[int]]:
-    """Token ids of the chat template's glue between turns (see chat_pieces)."""
-    assistant_end, user_prefix, user_suffix = chat_pieces(tokenizer)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    end_ids = encode(assistant_end)
-    # The template ends a turn with an EOS id: where the model sampled an EOS, that token stands in
-    # its place and is trained (sampled_end); an expert's turn is written with the template's own.
-    trained_end = end_ids[:1] if end_ids[:1] and end_ids[0] in eos_ids else []
-    return {"end": end_ids, "trained_end": trained_end, "prefix": encode(user_prefix),
-            "suffix": encode(user_suffix)}
-
-
-def sampled_end(sample, pieces: dict) -> list[int]:
-    """The end-of-turn token the model sampled, as an action: whichever EOS id it drew (Qwen2.5 has
-    two, <|im_end|> and <|endoftext|>; ml-loop trains the stop token that was sampled). Nothing when
-    the turn was cut by the token limit, or when the template does not end a turn with an EOS id."""
-    if sample.finish_reason != "eos" or not pieces["trained_end"]:
-        return []
-    stop_id = getattr(sample, "stop_token_id", None)
-    return [stop_id if stop_id is not None else pieces["trained_end"][0]]
-
-
-def first_prompt_ids(tokenizer, obs: str, info: dict) -> list[int]:
-    """System prompt and the task's first observation (with the instruction if it lacks it)."""
-    instruction = info.get("instruction", "")
-    first = obs if not instruction or instruction in obs else f"{instruction}\n\n{obs}"
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": with_actions(first, info)}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
-
-
-def env_reply_ids(tokenizer, pieces: dict, obs: str, info: dict, max_env_tokens: int) -> list[int]:
-    """The environment's reply as a user turn, cut to max_env_tokens (output truncation)."""
-    reply = tokenizer(with_actions(obs, info), add_special_tokens=False)["input_ids"]
-    reply = reply[:max_env_tokens]
-    return pieces["prefix"] + reply + pieces["suffix"]
-
-
-def rollout(generator, tokenizer, pool: EnvPool, tasks: list, group_size: int, args: Args, *,
-            temperature: float, max_turns: int, seed: int, eos_ids: set[int]) -> list[Rollout]:
-    """Play len(tasks) x group_size episodes in lock-step, one growing token sequence each. A
-    sequence never exceeds --max-seq-len: a turn starts only with room for --max-new-tokens and the
-    template's end-of-turn glue: a reply leaving no such room ends the episode (truncated)."""
-    pieces = turn_pieces(tokenizer, eos_ids)
-    turn_room = args.max_new_tokens + len(pieces["end"])  # most tokens one agent turn adds
-    episodes = [Rollout(task=t, group=g, sample=k)
-                for g, t in enumerate(tasks) for k in range(group_size)]
-    for ep, (obs, info) in zip(episodes, pool.reset([ep.task for ep in episodes]), strict=True):
-        ep.add(first_prompt_ids(tokenizer, obs, info), generated=False)
-        ep.env_error = info.get("error")
-        ep.done = ep.env_error is not None  # the environment failed at reset: nothing to play
-        if len(ep.ids) + turn_room > args.max_seq_len:
-            raise SystemExit(
-                f"loop.py: --max-seq-len {args.max_seq_len} leaves no room for one turn: the first "
-                f"prompt of task {ep.task!r} has {len(ep.ids)} tokens, a turn up to {turn_room} "
-                f"(--max-new-tokens {args.max_new_tokens} and the end of turn)")
-    for turn in range(max_turns):
-        live = [i for i, ep in enumerate(episodes) if not ep.done]
-        if not live:
+    Under torchrun `samples` are this rank's: every rank draws the same permutation of the global
+    list and trains its part of each minibatch, and the divisor is global, so a step is the same on
+    1 or 8 ranks. A minibatch whose loss or gradient is not finite, or whose k1 estimate of
+    KL(π_old ‖ π) per sample passes --kl-threshold, abandons the rest of the update (ml-loop)."""
+    t0 = time.time()
+    gathered = dist.all_gather_object([s.origin for s in samples])
+    origins = sorted(origin for part in gathered for origin in part)  # every rank's samples
+    if not origins:  # no rank has a sample (LOOP: every rollout filtered)
+        return {"gradient_steps": 0, "abandoned": 0.0, "time_logprobs_s": 0.0}
+    mine = {s.origin: s for s in samples}
+    n_minibatches = max(1, math.ceil(len(origins) / args.minibatch_size))
+    minibatches = []
+    for _ in range(args.ppo_epochs):  # a new order each epoch
+        for part in np.array_split(rng.permutation(len(origins)), n_minibatches):
+            minibatches.append([mine[origins[j]] for j in part if origins[j] in mine])
+    # π_old, the policy that sampled the rollouts: the first minibatch trains on it before any
+    # step, so its own forward, detached, is π_old; every other sample's is computed now
+    first = {s.origin for s in minibatches[0]}
+    later = dict.fromkeys(s.origin for mb in minibatches[1:] for s in mb if s.origin not in first)
+    policy_logprobs(policy, [mine[o] for o in later], args, "old_logp")
+    if args.kl_coef > 0:  # π_ref: a frozen copy, or with LoRA the base model, adapter off
+        policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
+                        adapter_off=reference is None)
+    time_logprobs = time.time() - t0
+    params = [p for p in policy.parameters() if p.requires_grad]
+    device = next(policy.parameters()).device
+    totals = dict.fromkeys(LOSS_STATS, 0.0)  # this rank's, over the optimizer steps taken
+    steps = dict(divisor=0.0, tokens=0.0, grad_norm=0.0, taken=0)
+    ratio_min, ratio_max, abandoned = math.inf, -math.inf, False
+    policy.train()
+    for index, minibatch in enumerate(minibatches):
+        divisor = loss_divisor(minibatch, args)  # global
+        tokens = dist.all_reduce(float(sum(sum(s.action_mask) for s in minibatch)))  # global
+        before, sums = dict(totals), dict.fromkeys(LOSS_STATS, 0.0)  # sums: this minibatch's
+        low, high, backward = math.inf, -math.inf, False
+        optimizer.zero_grad()
+        for micro, weight in microbatches(minibatch, args.micro_batch_size, args.share_prefixes):
+            signal = weight > 0 and (args.kl_coef > 0 or any(any(s.advantages) for s in micro))
+            if args.ppo_epochs == 1 and not dist.all_reduce(int(signal), "max"):
+                continue  # A = 0 on every rank's rows, no KL: a zero gradient, not computed
+            batch = build_batch(micro, device)
+            logp = action_logprobs(policy, batch, args.temperature, args.share_prefixes)  # (B, T-1)
+            batch["action_mask"] = batch["action_mask"] * weight  # weight 0: the placeholder
+            if index == 0 or not weight:  # on-policy (the placeholder stores nothing)
+                batch["old_logp"] = logp.detach()
+            else:
+                batch["old_logp"] = stacked(micro, "old_logp")
+            if index == 0 and weight and args.ppo_epochs > 1:  # a later epoch reads it
+                keep_logprobs(micro, logp.detach(), "old_logp")
+            if args.kl_coef > 0:
+                batch["ref_logp"] = stacked(micro, "ref_logp") if weight else logp.detach()
+            loss, stats = policy_loss(logp, batch, args)
+            (loss / divisor * dist.grad_scale()).backward()
+            backward = True
+            with torch.no_grad():  # the ratio's spread; KL(π_old ‖ π) per sample (ml-loop's k1, k3)
+                mask = batch["action_mask"]
+                log_ratio = (logp - batch["old_logp"]) * mask  # (B, T-1)
+                per_sample = log_ratio.sum(1)  # (B,) log π/π_old over each sample's tokens
+                ratios = torch.exp(log_ratio[mask.bool()])
+                stats.update(loss=loss.item(), ratio_sum=float(ratios.sum()),
+                             ratio_tokens=float(ratios.numel()), k1=float(-per_sample.sum()),
+                             k3=float((torch.expm1(per_sample.clamp(max=50.0)) - per_sample).sum()),
+                             samples=float(len(micro)) if weight else 0.0)
+                if ratios.numel():
+                    low, high = min(low, float(ratios.min())), max(high, float(ratios.max()))
+            for key, value in stats.items():
+                sums[key] += value
+                totals[key] += value
+        if not backward:  # every micro-batch skipped: AdamW still steps, on a zero gradient
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        reduced = dist.all_reduce(torch.tensor([sums["loss"], sums["k1"], sums["samples"]],
+                                               dtype=torch.float64)).tolist()
+        k1 = reduced[1] / max(reduced[2], 1.0)
+        finite = math.isfinite(reduced[0]) and math.isfinite(grad_norm)
+        if not finite or (args.kl_threshold > 0 and abs(k1) > args.kl_threshold):
+            optimizer.zero_grad(set_to_none=True)
+            totals, abandoned = before, True  # this minibatch counts for nothing
             break
-        samples = generator.generate([episodes[i].ids for i in live], n=1,
-                                     max_new_tokens=args.max_new_tokens, temperature=temperature,
-                                     seeds=[seed * 100_003 + i for i in live])
-        actions: list[str | None] = [None] * len(episodes)
-        for i, [s] in zip(live, samples, strict=True):
-            ep = episodes[i]
-            ep.add(list(s.token_ids), generated=True, turn=turn)
-            # Old log-probs are recomputed, so the model's own EOS is trained like any other token
-            # (the agent learns when to stop); a turn cut by the token limit is closed as context.
-            closed = sampled_end(s, pieces)
-            ep.add(closed, generated=True, turn=turn)
-            ep.add(pieces["end"][len(closed):], generated=False)
-            ep.turns = turn + 1
-            actions[i] = tokenizer.decode(s.token_ids, skip_special_tokens=True)  # env parses
-            ep.actions.append(actions[i])
-        for i, result in enumerate(pool.step(actions)):
-            if result is None:
-                continue
-            obs, reward, done, info = result
-            ep = episodes[i]
-            ep.reward += float(reward)
-            ep.won = bool(info.get("won", False))
-            ep.env_error = info.get("error")  # EnvPool: the step raised or timed out (then done)
-            ep.done = done or turn == max_turns - 1
-            if not ep.done:  # the environment's reply is context, never trained
-                reply = env_reply_ids(tokenizer, pieces, obs, info, args.max_env_tokens)
-                if len(ep.ids) + len(reply) + turn_room > args.max_seq_len:
-                    ep.done = ep.truncated = True  # the reply and a next turn would not fit
-                else:
-                    ep.add(reply, generated=False)
-    return episodes
-
-
-def step_rng(seed: int, step: int) -> torch.Generator:
-    """The randomness of step `step` (1-based) from the seed and the step alone: a resume continues
-    exactly. With --seed it picks the step's tasks and orders the minibatches; with the rank's seed
-    (dist.rank_seed) it seeds the rank's sampling. Keyed on step - 1, as runs always were."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step - 1)
-
-
-def training_rollouts(r: run.Run, pool: EnvPool, train_tasks: list, args: Args, step: int,
-                      eos_ids: set[int]) -> list[Rollout]:
-    """The iteration's B tasks x K rollouts at --temperature. The task list is the same on every
-    rank; each rank plays its share of the groups (whole groups) with its own sampling seed."""
-    draw = random.Random(step_rng(args.seed, step).initial_seed())  # the same tasks on every rank
-    tasks = draw.sample(train_tasks, args.tasks_per_step)
-    mine = dist.shard(list(enumerate(tasks)))  # (global group index, task)
-    if not mine:
-        return []
-    rollouts = rollout(r.generator, r.tokenizer, pool, [t for _, t in mine], args.group_size, args,
-                       temperature=args.temperature, max_turns=args.max_turns,
-                       seed=step_rng(dist.rank_seed(args.seed), step).initial_seed(),
-                       eos_ids=eos_ids)
-    for x in rollouts:
-        x.group = mine[x.group][0]
-    return rollouts
-
-
-def build_batch(batch: list[Rollout], pad_id: int, device=None) -> dict[str, torch.Tensor]:
-    """Right-pad rollouts. input_ids/attention_mask: (N, T); per-target tensors: (N, T-1)."""
-    t = max(len(r.ids) for r in batch)
-    # built on the policy's device: on a GPU the forward refuses inputs left on the CPU
-    pad = lambda xs, v, n: torch.tensor([list(x) + [v] * (n - len(x)) for x in xs], device=device)
-    out = {"input_ids": pad([r.ids for r in batch], pad_id, t),  # (N, T)
-           "attention_mask": pad([[1] * len(r.ids) for r in batch], 0, t),  # (N, T)
-           # target t+1 is predicted at position t, so the masks are shifted by one
-           "action_mask": pad([r.action_mask[1:] for r in batch], False, t - 1),  # (N, T-1)
-           "turn_ids": pad([r.turn_ids[1:] for r in batch], -1, t - 1)}  # (N, T-1)
-    for key in ("old_logp", "ref_logp"):
-        if all(getattr(r, key) is not None for r in batch):
-            out[key] = pad([getattr(r, key) for r in batch], 0.0, t - 1)  # (N, T-1)
+        optimizer.step()
+        steps["divisor"] += divisor
+        steps["tokens"] += tokens
+        steps["grad_norm"] += grad_norm
+        steps["taken"] += 1
+        ratio_min = min(ratio_min, dist.all_reduce(low, "min"))
+        ratio_max = max(ratio_max, dist.all_reduce(high, "max"))
+    policy.eval()
+    reduced = dist.all_reduce(torch.tensor([totals[k] for k in LOSS_STATS], dtype=torch.float64))
+    total = dict(zip(LOSS_STATS, reduced.tolist(), strict=True))  # over ranks
+    taken, n = steps["taken"], max(total["samples"], 1.0)
+    measured = total["ratio_tokens"] > 0
+    out = {"loss": total["loss"] / steps["divisor"] if taken else 0.0,
+           "clip_fraction": total["clipped"] / max(steps["tokens"], 1.0),
+           "grad_norm": steps["grad_norm"] / max(taken, 1), "gradient_steps": taken,
+           "ratio_mean": total["ratio_sum"] / total["ratio_tokens"] if measured else 1.0,
+           "ratio_min": ratio_min if measured else 1.0, "ratio_max": ratio_max if measured else 1.0,
+           "kl_k1": total["k1"] / n, "kl_k3": total["k3"] / n,
+           "abandoned": float(abandoned), "time_logprobs_s": time_logprobs}
+    if args.kl_coef > 0:
+        out["kl"] = total["kl"] / steps["divisor"] if taken else 0.0
     return out
 
 
-def action_logprobs(model, b: dict[str, torch.Tensor], temperature: float = 1.0,
-                    share_prefixes: bool = True) -> torch.Tensor:
-    """log pi(x_t | x_<t) at the action targets, (N, T-1), zero elsewhere, under softmax(logits /
-    temp), the rollouts' sampling distribution (ml-loop); the vocabulary projection runs on action
-    tokens only, a prefix rollouts share (their task's prompt) once (--share-prefixes)."""
-    return logprobs.token_logprobs(model, b["input_ids"], b["attention_mask"],
-                                   target_mask=b["action_mask"], temperature=temperature,
-                                   chunk_size=1024, share_prefixes=share_prefixes)
+# what update sums over micro-batches: policy_loss's (loss, clipped tokens, kl) and the ratio's
+LOSS_STATS = ("loss", "clipped", "kl", "ratio_sum", "ratio_tokens", "k1", "k3", "samples")
 
 
-def dummy_batch(pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Two tokens, one of them an "action": a zero-weight pass for a rank with nothing to do."""
-    r = Rollout(task=None, group=-1, ids=[pad_id, pad_id], action_mask=[False, True],
-                turn_ids=[-1, 0], old_logp=[0.0], ref_logp=[0.0])
-    return build_batch([r], pad_id, device)
+# ==================================================================================================
+# SCAFFOLDING of LOOP's own: its metrics, evaluation, the expert's episodes, environments
+# ==================================================================================================
+def rollout_metrics(rollouts: list[Rollout], samples: list[TrainingSample], args: Args) -> dict:
+    """The step's rollouts, summed over ranks; one console line when environments failed."""
+    n = dist.all_reduce(len(rollouts))
 
+    def total(values) -> float:  # over every rank's rollouts
+        return dist.all_reduce(float(sum(values)))
 
-@torch.no_grad()
-def recompute_logprobs(model, rollouts: list[Rollout], pad_id: int, micro: int, key: str,
-                       temperature: float = 1.0, share_prefixes: bool = True) -> None:
-    """pi_old(x_t | x_<t) under the training model at the sampling temperature; as many forward
-    passes on every rank (dist.same_count: FSDP's forward is a collective)."""
-    chunks = [rollouts[i: i + micro] for i in range(0, len(rollouts), micro)]
-    for chunk, weight in dist.same_count(chunks, None):
-        if not weight:
-            action_logprobs(model, dummy_batch(pad_id, model.device))
-            continue
-        batch = build_batch(chunk, pad_id, model.device)
-        lp = action_logprobs(model, batch, temperature, share_prefixes)  # (n, T-1)
-        for r, row in zip(chunk, lp, strict=True):
-            setattr(r, key, row[: len(r.ids) - 1].tolist())
-
-
-def reference_logprobs(model, reference, rollouts: list[Rollout], pad_id: int, args: Args) -> None:
-    """log pi_ref (KL ablation): `reference`, a frozen copy, or `model` with its LoRA off."""
-    micro, temp, share = args.micro_batch_size, args.temperature, args.share_prefixes
-    if reference is not None:
-        return recompute_logprobs(reference, rollouts, pad_id, micro, "ref_logp", temp, share)
-    with models.unwrap(model).disable_adapter():
-        recompute_logprobs(model, rollouts, pad_id, micro, "ref_logp", temp, share)
-
-
-# Update: epochs of minibatches
-def merge_stats(acc: dict, st: dict) -> dict:
-    """Sum the counters of loop_loss's stats; keep the extremes of the ratio."""
-    for k, v in st.items():
-        acc[k] = v if k not in acc else min(acc[k], v) if k == "ratio_min" else (
-            max(acc[k], v) if k == "ratio_max" else acc[k] + v)
-    return acc
-
-
-# loop_loss's counters before any micro-batch: every rank reduces the same keys
-EMPTY_STATS = {"clipped": 0.0, "units": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "k1_sum": 0.0,
-               "k3_sum": 0.0, "rollouts": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf}
-
-
-def global_stats(st: dict) -> dict:
-    """loop_loss's counters summed over ranks, the ratio's extremes reduced."""
-    sums = [k for k in EMPTY_STATS if k not in ("ratio_min", "ratio_max")]
-    total = dist.all_reduce(torch.tensor([st[k] for k in sums], dtype=torch.float64))
-    return {**dict(zip(sums, total.tolist(), strict=True)),
-            "ratio_min": dist.all_reduce(st["ratio_min"], "min"),
-            "ratio_max": dist.all_reduce(st["ratio_max"], "max")}
-
-
-def update(policy, optimizer, rollouts: list[Rollout], advantages: list[float], pad_id: int,
-           args: Args, rng: torch.Generator, reference=None) -> dict:
-    """pi_old's log-probs (pi_ref's too with --kl-coef), then epochs of reshuffled minibatches over
-    the GLOBAL batch; the iteration is abandoned if KL explodes.
-
-    Under torchrun each rank holds its own rollouts. All ranks shuffle the same global list (sorted
-    by (group, sample): independent of how groups were dealt out), take the same minibatch and each
-    computes the part it owns. The loss keeps the constant divisor (the global minibatch size) times
-    dist.grad_scale() (DDP averages over ranks): one step is the same on 1, 2 or 8 ranks."""
-    t0, model = time.time(), models.unwrap(policy)  # the no-grad passes skip the DDP wrapper
-    # pi_old under the training model at the sampling temperature, before the first step (Sec. 3)
-    recompute_logprobs(model, rollouts, pad_id, args.micro_batch_size, "old_logp", args.temperature,
-                       args.share_prefixes)
-    if args.kl_coef > 0:  # the KL ablation's pi_ref
-        reference_logprobs(model, reference, rollouts, pad_id, args)
-    time_logprobs = time.time() - t0
-    device = next(policy.parameters()).device
-    mine = {(r.group, r.sample): i for i, r in enumerate(rollouts)}
-    everyone = sorted(k for keys in dist.all_gather_object(list(mine)) for k in keys)  # global
-    totals = dict(EMPTY_STATS)
-    losses, grad_norms, abandoned = [], [], False
-    policy.train()  # transformers' gradient checkpointing acts only in train mode
-    size, micro_size = args.minibatch_size, args.micro_batch_size
-    for _ in range(args.epochs):
-        order = torch.randperm(len(everyone), generator=rng).tolist()
-        for start in range(0, len(order), size):
-            mb = [mine[everyone[j]] for j in order[start: start + size] if everyone[j] in mine]
-            micro = [mb[m: m + micro_size] for m in range(0, len(mb), micro_size)]
-            mb_stats, mb_loss = dict(EMPTY_STATS), 0.0
-            # DDP all-reduces gradients at every backward: every rank runs the same number of them
-            for rows, weight in dist.same_count(micro, None):
-                if not weight:  # zero-weight pass
-                    (action_logprobs(policy, dummy_batch(pad_id, device)).sum() * 0.0).backward()
-                    continue
-                b = build_batch([rollouts[i] for i in rows], pad_id, device)
-                new_logp = action_logprobs(policy, b, args.temperature, args.share_prefixes)
-                adv = torch.tensor([advantages[i] for i in rows], device=device)  # (n,)
-                loss_sum, st = loop_loss(new_logp, b["old_logp"], b["action_mask"], adv,
-                                         b["turn_ids"], clip_eps=args.clip_eps,
-                                         level=args.importance_weight,
-                                         ref_logp=b.get("ref_logp"), kl_coef=args.kl_coef)
-                loss = loss_sum / args.minibatch_size  # the constant M, not the rollouts kept
-                (loss * dist.grad_scale()).backward()
-                mb_loss += loss.item()
-                merge_stats(mb_stats, st)
-            mb_loss = dist.all_reduce(mb_loss)  # sum of the ranks' shares = the minibatch's loss
-            mb_stats = global_stats(mb_stats)
-            k1 = mb_stats["k1_sum"] / max(mb_stats["rollouts"], 1.0)
-            if not math.isfinite(mb_loss) or abs(k1) > args.kl_threshold:  # ml-loop: stop
-                optimizer.zero_grad(set_to_none=True)
-                abandoned = True
-                break
-            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norms.append(float(norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(mb_loss)
-            merge_stats(totals, mb_stats)
-        if abandoned:
-            break
-    policy.eval()
-    n, any_tokens = max(totals["rollouts"], 1.0), totals["tokens"] > 0
-    return {"loss": sum(losses) / max(len(losses), 1),
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "gradient_steps": len(losses),
-            "clip_fraction": totals["clipped"] / max(totals["units"], 1.0),
-            "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1.0),
-            "ratio_min": totals["ratio_min"] if any_tokens else 1.0,
-            "ratio_max": totals["ratio_max"] if any_tokens else 1.0,
-            "kl_k1": totals["k1_sum"] / n, "kl_k3": totals["k3_sum"] / n,
-            "abandoned": float(abandoned), "time_logprobs_s": time_logprobs}
-
-
-def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
-    """The iteration's rollouts, summed over ranks; one console line when environments failed."""
-    n, total = dist.all_reduce(len(rollouts)), lambda xs: dist.all_reduce(float(sum(xs)))
     sampled, turns = total(sum(r.action_mask) for r in rollouts), total(r.turns for r in rollouts)
+    kept_groups = dist.all_gather_object(sorted({s.origin[0] for s in samples}))
     out = {"rollouts": n, "reward_mean": total(r.reward for r in rollouts) / n,
            "success_rate": total(r.won for r in rollouts) / n,
            "num_tokens": int(sampled), "tokens_per_turn": sampled / max(turns, 1.0),
@@ -523,26 +618,12 @@ def rollout_metrics(rollouts: list[Rollout], n_kept: int, step: int) -> dict:
            "turns_per_episode": turns / n,
            "truncated_fraction": total(r.truncated for r in rollouts) / n,
            "env_errors": int(total(r.env_error is not None for r in rollouts)),
-           "filtered_fraction": 1.0 - n_kept / n}
+           "filtered_fraction": 1.0 - dist.all_reduce(len(samples)) / n,
+           "groups_with_signal": sum(len(part) for part in kept_groups)}
     if out["env_errors"]:  # the same on every rank: each sends its first error to rank 0's line
         first = next((r.env_error for r in rollouts if r.env_error is not None), None)
-        warn_env_errors(f"step {step}", out["env_errors"], n, dist.all_gather_object(first))
+        warn_env_errors("a training step", out["env_errors"], n, dist.all_gather_object(first))
     return out
-
-
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, eos_ids: set,
-             stage: str) -> dict:
-    """Greedy decoding on held-out tasks (paper, ml-loop: temperature 0); transcripts in <out>."""
-    eps = rollout(generator, tokenizer, pool, tasks, 1, args, temperature=0.0,
-                  max_turns=args.eval_max_turns or args.max_turns, seed=args.seed, eos_ids=eos_ids)
-    run.write_transcripts(args, stage, [
-        run.transcript(tokenizer, e.ids, e.action_mask, e.actions, task=e.task, won=e.won,
-                       reward=e.reward) for e in eps])
-    errors = [e.env_error for e in eps if e.env_error is not None]
-    warn_env_errors("held-out evaluation", len(errors), len(eps), errors[:1])
-    return {"eval/success_rate": sum(e.won for e in eps) / len(eps),
-            "eval/reward_mean": sum(e.reward for e in eps) / len(eps),
-            "eval/env_errors": len(errors)}
 
 
 def warn_env_errors(where: str, n_errors: int, n: int, firsts: list) -> None:
@@ -553,13 +634,23 @@ def warn_env_errors(where: str, n_errors: int, n: int, firsts: list) -> None:
                    f"(first: {first})", file=sys.stderr)
 
 
-def model_eos_ids(tokenizer, model) -> set[int]:
-    """Every id the model may end a turn with (its generation config's and its config's EOS)."""
-    generation_eos = eos_token_ids(tokenizer, model.generation_config)
-    return generation_eos | eos_token_ids(tokenizer, model.config)
+def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stage: str,
+             prefix: str = "eval/") -> dict:
+    """Greedy decoding (paper, ml-loop: temperature 0), one episode per task (held-out, or the
+    probe/ tasks) after `step` updates; its transcripts in <out>/transcripts/<stage>.jsonl."""
+    eps = rollout(r.generator, r.tokenizer, pool, list(enumerate(tasks)), 1, args, step=step,
+                  train=False, temperature=0.0, max_turns=args.eval_max_turns or args.max_turns,
+                  eos_ids=model_eos_ids(r.tokenizer, r.model))
+    run.write_transcripts(args, stage, [
+        run.transcript(r.tokenizer, e.ids, e.action_mask, e.actions, task=e.task, won=e.won,
+                       reward=e.reward) for e in eps])
+    errors = [e.env_error for e in eps if e.env_error is not None]
+    warn_env_errors(f"evaluation {stage}", len(errors), len(eps), errors[:1])
+    return {prefix + "success_rate": sum(e.won for e in eps) / len(eps),
+            prefix + "reward_mean": sum(e.reward for e in eps) / len(eps),
+            prefix + "env_errors": len(errors)}
 
 
-# Cold start (ours; not in the paper)
 def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) -> list[Rollout]:
     """The environment's scripted expert (`env.expert_action()`) playing `tasks`, written as the
     policy's own episodes are (same prompt, glue and truncation); only the expert's actions are
@@ -571,10 +662,11 @@ def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) 
         obs, info = env.reset(task)
         ep = Rollout(task=task, group=0)
         ep.add(first_prompt_ids(tokenizer, obs, info), generated=False)
+        ep.prompt_length = len(ep.ids)
         for turn in range(args.max_turns):
             action = env.expert_action()
             ep.add(tokenizer(action, add_special_tokens=False)["input_ids"] + pieces["trained_end"],
-                   generated=True, turn=turn)
+                   generated=True)
             ep.add(pieces["end"][len(pieces["trained_end"]):], generated=False)
             ep.actions.append(action)
             obs, reward, done, info = env.step(action)
@@ -591,109 +683,196 @@ def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) 
     return demos
 
 
-def cold_start(r: run.Run, env, train_tasks: list, args: Args) -> dict:
-    """SFT (run.sft: the mean negative log-likelihood of the expert's action tokens) on a few
-    scripted-expert episodes, so RL starts from groups that sometimes disagree ({}: no expert)."""
-    if args.cold_start_episodes == 0 or not hasattr(env, "expert_action"):
-        return {}
-    t0, pad_id = time.time(), r.tokenizer.pad_token_id
-    n_picks = min(args.cold_start_episodes, len(train_tasks))
-    picks = random.Random(args.seed).sample(train_tasks, n_picks)
-    demos = expert_rollouts(env, r.tokenizer, picks, args, model_eos_ids(r.tokenizer, r.model))
-
-    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:  # zero off the action tokens
-        batch = build_batch([demos[i] for i in rows], pad_id, r.device)
-        logp = action_logprobs(r.policy, batch, share_prefixes=args.share_prefixes)
-        return logp.sum(), float(batch["action_mask"].sum())
-
-    rng = torch.Generator().manual_seed(args.seed)
-    loss = run.sft(r.policy, len(demos), log_likelihood, lr=args.cold_start_lr,
-                   epochs=args.cold_start_epochs, weight_decay=args.weight_decay,
-                   max_grad_norm=args.max_grad_norm,
-                   micro_batch_size=args.micro_batch_size,
-                   permute=lambda n: torch.randperm(n, generator=rng).tolist())
-    r.generator.update_weights(r.model)
-    return {"cold_start/episodes": len(demos), "cold_start/loss": loss,
-            "cold_start/time_s": time.time() - t0}
-
-
-@dataclass
-class Envs:
-    env: object  # the environment itself: its expert, for the cold start
-    train_tasks: list
-    eval_tasks: list
-    pool: EnvPool  # this rank's training episodes: its share of the B tasks, K rollouts each
-    eval_pool: EnvPool | None  # rank 0 evaluates
+def demonstrations(r: run.Run, envs: Envs, args: Args, rng: np.random.Generator
+                   ) -> tuple[list[TrainingSample], int, int]:
+    """The cold start's data (ours): the scripted expert's winning episodes on
+    --cold-start-episodes training tasks, each one sample as a rollout is; (samples, won,
+    played)."""
+    if args.cold_start_episodes == 0 or not hasattr(envs.env, "expert_action"):
+        return [], 0, 0
+    n = min(args.cold_start_episodes, len(envs.train_tasks))
+    picks = rng.choice(len(envs.train_tasks), n, replace=False)
+    demos = expert_rollouts(envs.env, r.tokenizer, [envs.train_tasks[i] for i in picks], args,
+                            model_eos_ids(r.tokenizer, r.model))
+    samples = []
+    for i, d in enumerate(demos):
+        response = d.ids[d.prompt_length:]
+        samples.append(TrainingSample((i,), d.ids[:d.prompt_length], response,
+                                      d.action_mask[d.prompt_length:], [0.0] * len(response)))
+    return samples, len(demos), n
 
 
 def build_envs(args: Args) -> Envs:
-    """The environment, its task lists and pools, before the model loads (a bad --env: one line)."""
+    """The environment, its tasks and pools, before the model loads (a bad --env: one line)."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if hasattr(env, "game_file"):  # TextWorld compiles a game on first use: not in a step
         for task in train_tasks + eval_tasks:
             env.game_file(task)
-    # each rank plays whole groups: its share of the B tasks (dist.shard), K rollouts each
-    my_tasks = len(dist.shard(range(args.tasks_per_step)))
-    pool = EnvPool(args.env, my_tasks * args.group_size, **options)
-    eval_pool = EnvPool(args.env, len(eval_tasks), **options) if dist.is_main() else None
-    return Envs(env, train_tasks, eval_tasks, pool, eval_pool)
+    my_groups = len(dist.shard(range(args.tasks_per_step)))
+    pool = EnvPool(args.env, my_groups * args.group_size, **options)
+    main = dist.is_main()
+    eval_pool = EnvPool(args.env, len(eval_tasks), **options) if main else None
+    probe = main and args.probe_tasks > 0
+    probe_pool = EnvPool(args.env, args.probe_tasks, **options) if probe else None
+    return Envs(env, options, train_tasks, eval_tasks, pool, eval_pool, probe_pool)
+
+
+def planned_sequence(args: Args) -> tuple[int, str]:
+    """--dry-run's longest training sequence: a whole episode."""
+    return args.max_seq_len, "--max-seq-len (the whole episode)"
+
+
+# ==================================================================================================
+# SCAFFOLDING: randomness, tasks, evaluation, the cold start, environments, main(); the same text in
+# loop.py, arpo.py and t2po.py
+# ==================================================================================================
+def step_rng(seed: int, step: int) -> np.random.Generator:
+    """The randomness of step `step` (1-based; 0: before RL) from the seed and the step alone: a
+    resume continues exactly. With --seed, the step's tasks and the update's order, the same on
+    every rank."""
+    return np.random.default_rng([seed, (step - 1) % 2**32])
+
+
+def sample_seed(*key: int) -> int:
+    """A sampling seed from a key of whole numbers (the run's seed, the step, the rollout, the
+    turn): the same on every rank and for any number of ranks, so a rollout depends on neither."""
+    return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
+
+
+def step_tasks(train_tasks: list, args: Args, step: int) -> list[tuple[int, object]]:
+    """This rank's share of the step's --tasks-per-step training tasks, drawn without replacement
+    from the seed and the step: (group, task) pairs, the group its index among the step's tasks."""
+    picks = step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step, replace=False)
+    return dist.shard([(group, train_tasks[i]) for group, i in enumerate(picks)])
+
+
+def held_out(r: run.Run, envs: Envs, args: Args, stage: str, step: int) -> dict:
+    """The held-out evaluation after `step` updates: rank 0 plays, the others wait for it."""
+    return run.on_main(partial(evaluate, r, envs.eval_pool, envs.eval_tasks, args, step, stage))
+
+
+def probe(r: run.Run, envs: Envs, args: Args, step: int) -> dict:
+    """--probe-tasks: the first training tasks, played as the held-out ones: a learning curve on
+    fixed tasks ({} when off)."""
+    if not args.probe_tasks:
+        return {}
+    tasks = envs.train_tasks[:args.probe_tasks]
+    return run.on_main(partial(evaluate, r, envs.probe_pool, tasks, args, step,
+                               f"probe_step_{step}", "probe/"))
+
+
+def cold_start(r: run.Run, envs: Envs, args: Args) -> dict:
+    """Supervised fine-tuning on the winning episodes of `demonstrations` (the mean negative
+    log-likelihood of their policy tokens), so that RL starts from a policy whose groups sometimes
+    disagree. {}: nothing to learn from."""
+    t0 = time.time()
+    rng = np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
+    samples, won, played = demonstrations(r, envs, args, rng)
+    run.say(f"[cold start] {len(samples)} samples from {won}/{played} winning episodes")
+    if not samples:
+        return {}
+
+    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:
+        batch = build_batch([samples[i] for i in rows], r.device)
+        logp = action_logprobs(r.policy, batch, 1.0, args.share_prefixes)  # (B, T-1)
+        return (logp * batch["action_mask"]).sum(), float(batch["action_mask"].sum())
+
+    def permute(n: int) -> list[int]:  # each epoch's order
+        return rng.permutation(n).tolist()
+
+    with run.precision(args):
+        loss = run.sft(r.policy, len(samples), log_likelihood, lr=args.cold_start_lr,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
+                       permute=permute)
+    r.generator.update_weights(r.model)
+    run.say(f"[cold start] SFT loss {loss:.3f} ({time.time() - t0:.0f}s)")
+    return {"cold_start/episodes": won, "cold_start/samples": len(samples),
+            "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
+
+
+@dataclass
+class Envs:
+    """The environment and its tasks, built before the model loads."""
+
+    env: object  # the environment itself: its scripted expert, --dry-run's prompts
+    options: dict  # the options every copy of it gets
+    train_tasks: list
+    eval_tasks: list
+    pool: object  # what plays this rank's training rollouts
+    eval_pool: object  # rank 0: what plays the held-out tasks (None on other ranks)
+    probe_pool: object  # rank 0, with --probe-tasks: what plays the first training tasks
+
+
+def overruns(args: Args, step: int, t_begin: float, step_times: list[float], t_eval: float) -> bool:
+    """--max-minutes: would the next step and the final evaluation overrun? Alike on every rank."""
+    if args.max_minutes <= 0 or step >= args.steps:
+        return False
+    needed = time.time() - t_begin + sum(step_times) / len(step_times) + t_eval
+    return bool(dist.all_reduce(int(needed > 60 * args.max_minutes), "max"))
 
 
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
-    args = run.parse(Args, argv, PRESETS)
-    if args.dry_run:
-        return run.dry_run(args, args.max_seq_len, "--max-seq-len (the whole episode)",
-                           chunk_size=1024)
+    t_begin = time.time()
+    args = run.parse(Args, argv, PRESETS, check_args)
+    if args.dry_run:  # the memory plan per rank; no weights load
+        return run.dry_run(args, *planned_sequence(args))
     envs = build_envs(args)  # before the model: a bad --env costs no load
-    r = run.setup(args, desc="loop")
-    pad_id, eos_ids = r.tokenizer.pad_token_id, model_eos_ids(r.tokenizer, r.model)
-    held_out = lambda stage: run.on_main(lambda: evaluate(r.generator, r.tokenizer, envs.eval_pool,
-                                                          envs.eval_tasks, args, eos_ids, stage))
-    if "base" not in r.extra:  # a resumed run has done it
-        r.extra["base"] = held_out("base")
-        r.logger.log({"step": 0, **r.extra["base"]})
+    r = run.setup(args)
+    t_eval = 0.0  # one held-out evaluation's seconds, for --max-minutes
+    if args.base_eval and not r.extra:  # a resumed run has done it
+        t0 = time.time()
+        r.extra["base"] = held_out(r, envs, args, "base", 0)
+        t_eval = time.time() - t0
+        curve = {} if args.cold_start else probe(r, envs, args, 0)  # else after the cold start
+        r.logger.log({"step": 0, **r.extra["base"], **curve})
     if args.cold_start and "cold_start" not in r.extra:
-        if log := cold_start(r, envs.env, envs.train_tasks, args):  # {}: --env has no expert
+        if log := cold_start(r, envs, args):  # {}: nothing to learn from
             run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
-            r.extra["cold_start"] = held_out("cold_start")
-            r.logger.log({"step": 0, **log, **{k.replace("eval/", "eval_cold_start/"): v
-                                               for k, v in r.extra["cold_start"].items()}})
-    line, t_rl = {}, time.time()  # time_s: since RL started (a resumed run: since it resumed)
+            t0 = time.time()
+            r.extra["cold_start"] = held_out(r, envs, args, "cold_start", 0)
+            t_eval = time.time() - t0
+            held = {k.replace("eval/", "eval_cold_start/"): v
+                    for k, v in r.extra["cold_start"].items()}
+            r.logger.log({"step": 0, **log, **probe(r, envs, args, 0), **held})
+            run.save(r, args, 0)
+    line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
     for step in range(r.start_step + 1, args.steps + 1):
         t0 = time.time()
-        # 1. rollout: B tasks x K episodes at --temperature from the current policy
-        rollouts = training_rollouts(r, envs.pool, envs.train_tasks, args, step, eos_ids)
+        # 1. rollout: the step's tasks, --group-size rollouts each (this rank's groups)
+        rollouts = training_rollouts(r, envs, args, step)
         r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
-        t1 = time.time()
-        # 2. leave-one-out advantages within each group; drop |A| < threshold and failed rollouts
-        advantages = group_advantages(rollouts, args.std_normalize)
-        keep = keep_rollouts(rollouts, advantages, args.adv_threshold)
-        kept = [x for x, k in zip(rollouts, keep, strict=True) if k]
-        kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
-        n_kept = dist.all_reduce(len(kept))
-        # 3. update: old log-probs (and the reference's, for the KL ablation) under the training
-        # model, then epochs of reshuffled minibatches (the same shuffle on every rank)
-        trained = {"loss": 0.0, "gradient_steps": 0, "time_logprobs_s": 0.0}
-        if n_kept:  # the same on every rank
-            trained = update(r.policy, r.optimizer, kept, kept_adv, pad_id, args,
-                             step_rng(args.seed, step), r.reference)
-            r.generator.update_weights(r.model)
-        t2 = time.time()  # the step's end: to the end of the update, as arpo and t2po
-        line = {"step": step, **rollout_metrics(rollouts, n_kept, step), **trained,
-                "time_rollout_s": t1 - t0, "time_update_s": t2 - t1 - trained["time_logprobs_s"],
-                "time_s": t2 - t_rl, "step_time_s": t2 - t0}
+        t_rollout = time.time() - t0
+        # 2. advantages: one training sample per trained sequence
+        samples = training_samples(rollouts, args)
+        # 3. the update; the next rollouts sample from the new policy
+        with run.precision(args):  # bf16 matmuls where --autocast asks for them
+            trained = update(r.policy, r.optimizer, samples, args, step_rng(args.seed, step),
+                             r.reference)
+        r.generator.update_weights(r.model)
+        step_times.append(time.time() - t0)
+        line = {"step": step, **rollout_metrics(rollouts, samples, args), **trained,
+                "time_s": time.time() - t_rl, "step_time_s": step_times[-1],
+                "time_rollout_s": t_rollout, "time_update_s": step_times[-1] - t_rollout,
+                **probe(r, envs, args, step)}
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            line.update({**held_out(f"step_{step}"), "time_eval_s": time.time() - t2})
+            line.update(held_out(r, envs, args, f"step_{step}", step))
         r.logger.log(line)
-        if step % args.save_every == 0 or step == args.steps:
+        stop = overruns(args, step, t_begin, step_times, t_eval)
+        if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
-    r.extra["rl"] = held_out("rl")
-    r.logger.log({"step": args.steps, **r.extra["rl"]})
+        if stop:
+            run.say(f"stopping after step {step}: the next would overrun --max-minutes "
+                    f"{args.max_minutes}")
+            line["stopped_early_at_step"] = step
+            break
+    r.extra["rl"] = held_out(r, envs, args, "rl", line["step"])
+    r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
-    run.report(args, r.extra, len(envs.eval_tasks))
+    run.report(args, r.extra, len(envs.eval_tasks), REPORTED, t_begin)
     dist.cleanup()
-    return {**line, **r.extra["rl"]}
+    return {**line, **r.extra}
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 plus TTI, which forces `</think>\\n<action>` once the thinking's uncertainty M_t has flattened out,
 and TDS (training only), which resamples a turn whose uncertainty Φ_k barely differs from the
 previous turn's; RFT first. `--no-tti --no-tds`: GiGPO; and `--step-advantage-weight 0`: GRPO.
-Read beside docs/t2po.md: the equations next to their lines, the commands, the runs.
+
+Read top to bottom: the arguments; the ALGORITHM (a turn's prompt and format, the uncertainty
+signal, TTI, TDS, the rollout, GiGPO's advantage, the clipped objective); then the SCAFFOLDING that
+loop.py and arpo.py share word for word (the training record, the update, evaluation, the cold
+start, main). docs/t2po.md puts the paper's equations beside these lines.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import re
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -25,14 +30,16 @@ from common.cli import opt
 from common.generation import first_prefix_containing
 from common.logprobs import token_logprobs
 from common.models import unwrap
-from common.run import RunArgs
 from envs.base import EnvPool, require
 
+# ==================================================================================================
+# ARGUMENTS
+# ==================================================================================================
 Preset = Literal["auto", "none", "textworld", "webshop-lite", "webshop", "alfworld", "search"]
 
 
 @dataclass
-class Args(RunArgs):
+class Args(run.RunArgs):
     """T²PO (ICML 2026): GiGPO + uncertainty-guided thinking stop (TTI), turn resampling (TDS)."""
 
     preset: Preset = opt("run", "auto", "fills each flag not given (PRESETS): textworld, "
@@ -47,18 +54,13 @@ class Args(RunArgs):
     weight_decay: float = 0.0
     cold_start_episodes: int = 6
     cold_start_lr: float = 5e-5
-    epochs: int = opt("run", 0, "> 0: --steps from this many epochs of the tasks (search: 1)", ge=0)
-    autocast: Literal["off", "bf16", "auto"] = opt(
-        "model", "off", "bf16 matmuls in training (weights, gradients, AdamW stay fp32: verl's "
-        "mixed precision), HF rollouts from a bf16 copy (ours); auto: GPU or CPU with native bf16")
+    epochs: int = opt("run", 0, "> 0: --steps from this many epochs of the tasks (search: 1); an "
+                      "explicit --steps wins over a preset's epochs", ge=0, overridden_by="steps")
     history_length: int = opt("environment", 2, "P: past turns in the prompt (2; search 4)", ge=0)
     max_obs_chars: int = opt("environment", 200, "observation chars kept in prompts", ge=1)
     eval_temperature: float = opt("run", 0.0, "0 = greedy; paper's val sampling: 0.6", ge=0)
     eval_top_p: float = opt("run", 1.0, "paper's val sampling: 0.95", gt=0, le=1)
     eval_top_k: int = opt("run", 0, "paper's val sampling: 20", ge=0)
-    base_eval: bool = opt("run", True, "held-out evaluation of --model before training")
-    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones "
-                           "after the cold start and each RL step: a learning curve (ours)", ge=0)
     # uncertainty signal M_t (paper Sec. 3.1); alpha and j are not published: ours
     alpha: float = opt("algorithm", 0.5, "M_t = α·H̃_t + (1−α)·(1 − C̃_t)", ge=0, le=1)
     top_j: int = opt("algorithm", 5, "j: top-j log-probs in the confidence C_t (ours)", ge=1)
@@ -86,7 +88,6 @@ class Args(RunArgs):
     clip_eps: float = opt("algorithm", 0.2, "PPO clip ε", gt=0)
     dual_clip: float = opt("algorithm", 3.0, "dual-clip c: for A < 0 the loss is at most c·|A| "
                            "per token (verl's clip_ratio_c); 0 = off", ge=0)
-    minibatch_size: int = opt("optimisation", 32, "turns per optimizer step", ge=1)
     cold_start_source: Literal["auto", "expert", "sample"] = opt(
         "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
         "it has one (auto), else rejection sampling from the policy (sample)")
@@ -119,7 +120,8 @@ PRESETS: dict[str, dict] = {
         weight_decay=0.01, autocast="auto"),
     "webshop-lite": dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
                          tds_max_try=1, autocast="auto"),
-    "textworld": dict(steps=8, lr=5e-6, temperature=0.7, base_eval=False, autocast="auto",
+    "textworld": dict(
+        steps=8, lr=5e-6, temperature=0.7, base_eval=False, autocast="auto",
         env_options='{"level": 4, "train_games": 16, "eval_games": 32, "holdout": "walkthrough"}',
         tasks_per_step=4, group_size=4, eval_tasks=32, max_turns=4, cold_start_episodes=4,
         cold_start_epochs=2, tds_max_try=1, inadmissible_invalid=True),
@@ -127,6 +129,7 @@ PRESETS: dict[str, dict] = {
 # the authors' RFT checkpoints, in the Hugging Face collection willhx/t2po (their scripts' MODEL)
 RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",
                    "alfworld": "willhx/Qwen3-4B-rft-alfworld-e5"}
+REPORTED = "eval/score"  # the held-out figure the last line gives beside the successes
 
 
 def check_args(args: Args) -> None:
@@ -145,7 +148,9 @@ def check_args(args: Args) -> None:
                 f"RFT checkpoint ({checkpoint}); its numbers are not comparable to the paper's")
 
 
-# Records. A turn is also a training sample: prompt -> response, trained on its action_mask.
+# ==================================================================================================
+# ALGORITHM (T²PO): a turn's prompt and format
+# ==================================================================================================
 @dataclass
 class Turn:
     prompt_ids: list[int]  # the turn's prompt (task, last P turns, observation), chat template on
@@ -155,17 +160,20 @@ class Turn:
     reward: float = 0.0  # r_t: success_reward × outcome on the episode's last turn, else 0
     penalty: float = 0.0  # p_t: --format-penalty if the turn was ill-formed, else 0
     valid: bool = True  # well formed (and admissible, with --inadmissible-invalid)
+    admissible: bool = True  # the environment accepted the action (its info's valid_action)
     action: str = ""  # what the environment was sent
     observation: str = ""  # what it answered
-    advantage: float = 0.0  # A = A_E + ω·A_S (turn_samples)
-    old_logp: torch.Tensor | None = None  # (len(prompt) + len(response) − 1,): π_old, in update
-    ref_logp: torch.Tensor | None = None  # the same under the reference (--kl-coef), in update
+    think_tokens: int = 0  # tokens before the thinking's end (natural or forced by TTI)
+    intervened: bool = False  # TTI forced the action
+    wasted_tokens: int = 0  # tokens generated past TTI's cut and dropped
+    resamples: int = 0  # times TDS resampled the turn
 
 
 @dataclass
 class Episode:
     task: object
     group: int  # index of its task in the step's list (on every rank): GiGPO's group
+    key: int = 0  # the episode's number in the step, the same on every rank: its seeds
     won: bool = False
     score: float = 0.0  # the environment's task score (WebShop's reward), logged
     turns: list = field(default_factory=list)  # Turn; ExpertTurn in expert_episodes
@@ -238,7 +246,7 @@ def parse_response(text: str, admissible: list[str] | None = None) -> tuple[str,
     return text[-30:], False
 
 
-# Uncertainty signal (paper Sec. 3.1)
+# ALGORITHM: the uncertainty signal M_t (paper Sec. 3.1)
 def token_confidence(top_logprobs: list[float], j: int) -> float:
     """C_t = −(1/j) Σ_{i≤j} log p_t^(i) over the top-j probabilities (DeepConf; high = peaked)."""
     top = sorted(top_logprobs, reverse=True)[:j]
@@ -264,7 +272,7 @@ def uncertainty(entropies: list[float], confidences: list[float], alpha: float,
     return [alpha * ht + (1 - alpha) * (1 - ct) for ht, ct in zip(h, c, strict=True)]
 
 
-# TTI: token-level thinking intervention
+# ALGORITHM: TTI, token-level thinking intervention
 FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<action>`
 
 
@@ -352,7 +360,7 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
     return outs
 
 
-# TDS: turn-level dynamical sampling (training rollouts only)
+# ALGORITHM: TDS, turn-level dynamical sampling (training rollouts only)
 def turn_signal(m: list[float]) -> float:
     """Φ_k = geometric mean of the turn's M_t, exact zeros left out (ours: docs/t2po.md), or 0."""
     logs = [math.log(x) for x in m if x > 0]
@@ -375,7 +383,7 @@ def tds_should_resample(prev: Response | None, cur: Response, args: Args) -> boo
     return 0 < abs(phi - phi_prev) < args.tds_eta
 
 
-# GiGPO advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
+# ALGORITHM: GiGPO's advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     """G_t = Σ_{j≥t} γ^{j−t} r_j."""
     out = [0.0] * (len(rewards) + 1)  # out[T] = 0: nothing after the last turn
@@ -449,24 +457,24 @@ def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_no
     return [[next(flat) for _ in ep.turns] for ep in episodes]
 
 
-# Rollout: every episode of a batch advances one turn at a time; a turn is generated as one batch.
-def turn_seed(seed: int, step: int, train: bool, episode: int, turn: int, attempt: int = 0) -> int:
-    """A turn's seed: train step `step`, or an eval after `step` updates (−1: RFT); TDS attempt."""
-    key = [seed, step - 1 if train else step, int(train), episode, turn, attempt]  # train: 0-based
-    return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
+# ALGORITHM: the rollout. Every episode of a batch advances one turn at a time, a turn generated as
+# one batch: TTI inside generate_turn, TDS resampling a hesitant turn (training only).
+def turn_seed(args: Args, step: int, train: bool, episode: int, turn: int, attempt: int) -> int:
+    """A turn's seed: training step `step`, or an evaluation after `step` updates (−1: RFT)."""
+    return sample_seed(args.seed, step - 1 if train else step, int(train), episode, turn, attempt)
 
 
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *,
             step: int, train: bool, temperature: float, top_p: float = 1.0, top_k: int = 0,
-            keys: list[int] | None = None) -> tuple[list[Episode], dict]:
-    """(episodes, counters); keys: global episode ids, so an episode's seeds ignore the rank."""
-    n, keys, stats = len(tasks), keys or list(range(len(tasks))), defaultdict(float)
+            keys: list[int] | None = None) -> list[Episode]:
+    """One episode per task; keys: the episodes' numbers in the step (their seeds), any rank's."""
+    n, keys = len(tasks), keys or list(range(len(tasks)))
     if n == 0:  # a rank with no groups this step (fewer tasks than ranks)
-        return [], stats
+        return []
     obs, infos = map(list, zip(*pool.reset(tasks), strict=True))
     instruction = [i.get("instruction", "") for i in infos]
     history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
-    episodes = [Episode(task=tasks[i], group=groups[i]) for i in range(n)]
+    episodes = [Episode(task=tasks[i], group=groups[i], key=keys[i]) for i in range(n)]
     done = [bool(i.get("error")) for i in infos]
     prev_out: list[Response | None] = [None] * n  # the kept previous turn, for TDS's Γ_k
     for k in range(args.max_turns):
@@ -476,7 +484,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         prompts = [encode_prompt(tokenizer, build_turn_prompt(
             instruction[i], history[i], obs[i], infos[i].get("admissible_actions") or [],
             args.history_length, args.max_obs_chars)) for i in active]
-        seeds = [turn_seed(args.seed, step, train, keys[i], k) for i in active]
+        seeds = [turn_seed(args, step, train, keys[i], k, 0) for i in active]
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
         outs = generate_turn(generator, tokenizer, prompts, seeds, args, **sampling)
         resamples = [0] * len(active)
@@ -486,7 +494,7 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                         if tds_should_resample(prev_out[i], outs[j], args)]
                 if not redo:
                     break
-                redo_seeds = [turn_seed(args.seed, step, True, keys[active[j]], k, attempt)
+                redo_seeds = [turn_seed(args, step, True, keys[active[j]], k, attempt)
                               for j in redo]
                 new = generate_turn(generator, tokenizer, [prompts[j] for j in redo], redo_seeds,
                                     args, **sampling)
@@ -502,68 +510,366 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
             (next_obs, env_reward, env_done, info), (action, valid) = results[i], parsed[j]
             won = bool(info.get("won", False))
             outcome = won if args.reward == "success" else float(env_reward)
+            out = outs[j]
             episodes[i].turns.append(Turn(
-                prompt_ids=prompts[j], response_ids=outs[j].ids, action_mask=outs[j].action_mask,
+                prompt_ids=prompts[j], response_ids=out.ids, action_mask=out.action_mask,
                 anchor=obs[i], reward=args.success_reward * outcome if env_done else 0.0,
-                penalty=0.0 if valid else args.format_penalty, valid=valid, action=action,
-                observation=next_obs))
-            for key, x in dict(turns=1, tokens=len(outs[j].ids), tti_wasted_tokens=outs[j].wasted,
-                               think_tokens=outs[j].think_tokens, tds_resamples=resamples[j],
-                               tti_interventions=outs[j].intervened, invalid=not valid,
-                               inadmissible=not info.get("valid_action", True)).items():
-                stats[key] += x
+                penalty=0.0 if valid else args.format_penalty, valid=valid,
+                admissible=bool(info.get("valid_action", True)), action=action,
+                observation=next_obs, think_tokens=out.think_tokens, intervened=out.intervened,
+                wasted_tokens=out.wasted, resamples=resamples[j]))
             history[i].append((obs[i], action))
-            obs[i], infos[i], prev_out[i] = next_obs, info, outs[j]
+            obs[i], infos[i], prev_out[i] = next_obs, info, out
             if env_done or info.get("error"):
                 done[i] = True
                 episodes[i].won, episodes[i].score = won, float(info.get("task_score", 0.0))
-    return episodes, stats
+    return episodes
 
 
-def rollout_metrics(episodes: list[Episode], stats: dict, prefix: str = "",
-                    gather: bool = False) -> dict:
-    rows = [(ep.won, ep.score, sum(t.reward - t.penalty for t in ep.turns)) for ep in episodes]
-    if gather:  # every rank's rows; their counters summed in rank order
-        parts = dist.all_gather_object((rows, dict(stats)))
-        rows, stats = [r for part, _ in parts for r in part], defaultdict(float)
-        for key, value in ((k, v) for _, part in parts for k, v in part.items()):
-            stats[key] += value
-    won, score, reward = ((np.array(x, dtype=float) for x in zip(*rows, strict=True)) if rows
-                          else ([0.0],) * 3)
-    turns = max(1.0, stats["turns"])
+def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Episode]:
+    """The step's tasks, --group-size episodes each (this rank's groups), TTI and TDS acting."""
+    mine = step_tasks(envs.train_tasks, args, step)
+    tasks = [task for _, task in mine for _ in range(args.group_size)]
+    groups = [group for group, _ in mine for _ in range(args.group_size)]
+    keys = [group * args.group_size + j for group, _ in mine for j in range(args.group_size)]
+    return rollout(r.generator, r.tokenizer, envs.pool, tasks, groups, args, step=step, train=True,
+                   temperature=args.temperature, keys=keys)
+
+
+def training_samples(rollouts: list[Episode], args: Args) -> list[TrainingSample]:
+    """GiGPO's A = A_E + ω·A_S on every turn; a turn with a sampled token is one training sample
+    (its prompt: task, last P turns, observation), every token of it carrying the turn's A."""
+    advantages = gigpo_advantages(rollouts, args.gamma, args.step_advantage_weight,
+                                  args.std_normalize, args.step_similarity)
+    samples = []
+    for ep, turn_advantages in zip(rollouts, advantages, strict=True):
+        for k, (turn, a) in enumerate(zip(ep.turns, turn_advantages, strict=True)):
+            if sum(turn.action_mask) > 0:
+                samples.append(TrainingSample((ep.key, k), turn.prompt_ids, turn.response_ids,
+                                              turn.action_mask, [a] * len(turn.response_ids)))
+    return samples
+
+
+# ALGORITHM: the clipped objective (PPO-clip, dual clip, token-mean: the authors' verl settings)
+def policy_loss(logp: torch.Tensor, batch: dict[str, torch.Tensor], args: Args
+                ) -> tuple[torch.Tensor, dict]:
+    """Σ over the batch's sampled tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old, for
+    A < 0 at most −c·A (dual clip, Ye et al. 2020); + β·k3 per token with --kl-coef. update divides
+    it by the minibatch's token count (loss_divisor): the token-mean. Tensors (B, T-1)."""
+    mask, adv = batch["action_mask"], batch["advantages"]
+    ratio = torch.exp(torch.clamp(logp - batch["old_logp"], -20.0, 20.0))  # log r clamped: verl
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv
+    token_loss = -torch.minimum(unclipped, clipped)
+    chose_clip = clipped < unclipped
+    if args.dual_clip > 0:
+        dual = -args.dual_clip * adv
+        chose_clip = chose_clip | ((adv < 0) & (dual < token_loss))
+        token_loss = torch.where(adv < 0, torch.minimum(token_loss, dual), token_loss)
+    loss = (token_loss * mask).sum()
+    stats = {"clipped": float((chose_clip.float() * mask).sum())}
+    if args.kl_coef > 0:
+        kl = (low_var_kl(logp, batch["ref_logp"]) * mask).sum()
+        loss = loss + args.kl_coef * kl
+        stats["kl"] = kl.item()
+    return loss, stats
+
+
+def loss_divisor(minibatch: list[TrainingSample], args: Args) -> float:
+    """The token-mean's divisor: the minibatch's sampled tokens, over all ranks."""
+    return max(1.0, dist.all_reduce(float(sum(sum(s.action_mask) for s in minibatch))))
+
+
+# ==================================================================================================
+# SCAFFOLDING: one training record and one update, the same text in loop.py, arpo.py and t2po.py.
+# What differs between the papers is `policy_loss` and `loss_divisor` above.
+# ==================================================================================================
+@dataclass
+class TrainingSample:
+    """One training sequence: a prompt, then a response trained on the tokens the policy sampled."""
+
+    origin: tuple  # (group, rollout, turn): where it came from, the same on every rank
+    prompt_ids: list[int]
+    response_ids: list[int]  # everything after the prompt the loss may see
+    action_mask: list[int]  # per response token: 1 = the policy sampled it (trained), else 0
+    advantages: list[float]  # per response token: A_t
+    old_logp: torch.Tensor | None = None  # (len(prompt) + len(response) - 1,): π_old, set in update
+    ref_logp: torch.Tensor | None = None  # the same under π_ref (--kl-coef), set in update
+
+
+def sample_tokens(sample: TrainingSample) -> tuple:
+    """What a forward pass sees of a sample: two samples with the same tokens run once."""
+    return tuple(sample.prompt_ids), tuple(sample.response_ids), tuple(sample.action_mask)
+
+
+def build_batch(samples: list[TrainingSample], device=None) -> dict[str, torch.Tensor]:
+    """The distinct samples' prompt + response, right-padded: input_ids, attention_mask (U, T) and
+    targets (U, T-1), 1 where token t+1 was sampled; rows (B,): each sample's row among them; per
+    sample action_mask and advantages (B, T-1), aligned with log-probs (logp[:, t] scores t+1)."""
+    row_of: dict[tuple, int] = {}
+    for s in samples:
+        row_of.setdefault(sample_tokens(s), len(row_of))
+    rows = [row_of[sample_tokens(s)] for s in samples]
+    unique = list({sample_tokens(s): s for s in reversed(samples)}.values())[::-1]  # first of each
+    seqs = [s.prompt_ids + s.response_ids for s in unique]
+    targets = [[0] * len(s.prompt_ids) + s.action_mask for s in unique]
+    advantages = [[0.0] * len(s.prompt_ids) + s.advantages for s in samples]
+
+    def padded(values: list[list], dtype: torch.dtype) -> torch.Tensor:  # (n, T), zeros after
+        return pad_sequence([torch.tensor(v, dtype=dtype, device=device) for v in values],
+                            batch_first=True)
+
+    targets_tensor = padded(targets, torch.float32)[:, 1:]  # (U, T-1)
+    width = targets_tensor.shape[1]
+    return {"input_ids": padded(seqs, torch.long),  # (U, T)
+            "attention_mask": padded([[1] * len(s) for s in seqs], torch.long),  # (U, T)
+            "targets": targets_tensor,  # (U, T-1)
+            "rows": torch.tensor(rows, device=device),  # (B,)
+            "action_mask": targets_tensor[rows],  # (B, T-1)
+            "advantages": padded(advantages, torch.float32)[:, 1:1 + width]}  # (B, T-1)
+
+
+def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
+                    share_prefixes: bool = True) -> torch.Tensor:
+    """(B, T-1) log π(token t+1 | tokens ≤ t) at the sampled tokens (0 elsewhere), under
+    softmax(logits / temperature), the rollouts' sampling distribution; a prefix the rows share
+    (a group's prompt) runs once with --share-prefixes."""
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                          temperature=temperature, target_mask=batch["targets"],
+                          share_prefixes=share_prefixes)  # (U, T-1)
+    return logp[batch["rows"]]
+
+
+def microbatches(samples: list[TrainingSample], size: int, share_prefixes: bool = False
+                 ) -> list[tuple[list[TrainingSample], float]]:
+    """(samples, weight) micro-batches of at most `size` distinct samples and their copies, in
+    prefix order (shared prefixes pack together), as many on every rank: a rank with fewer runs
+    weight-0 passes on a placeholder: under DDP each backward, under FSDP2 each forward, is a
+    collective."""
+    placeholder = TrainingSample((), [0], [0], [1], [0.0])
+    filler = samples[:1] or [placeholder]
+    copies = defaultdict(list)
+    for s in samples:
+        copies[sample_tokens(s)].append(s)
+    if share_prefixes:
+        distinct = sorted(copies)
+    else:
+        distinct = sorted(copies, key=lambda k: len(k[0]) + len(k[1]))
+    parts = [[s for k in distinct[b:b + size] for s in copies[k]]
+             for b in range(0, len(distinct), size)]
+    return dist.same_count(parts, filler)
+
+
+def keep_logprobs(samples: list[TrainingSample], logp: torch.Tensor, key: str) -> None:
+    """sample.<key> = its row of `logp` (B, T-1), cut to the sample's own length."""
+    for s, row in zip(samples, logp, strict=True):
+        setattr(s, key, row[:len(s.prompt_ids) + len(s.response_ids) - 1])
+
+
+def stacked(samples: list[TrainingSample], key: str) -> torch.Tensor:
+    """The samples' stored log-probs (`key`), padded to (B, T-1) as action_logprobs returns them."""
+    return pad_sequence([getattr(s, key) for s in samples], batch_first=True)
+
+
+@torch.no_grad()
+def policy_logprobs(model, samples: list[TrainingSample], args: Args, key: str,
+                    adapter_off: bool = False) -> None:
+    """sample.<key> = its log-probs under `model` (adapter_off: LoRA's base model), no gradient."""
+    device = next(model.parameters()).device
+    for micro, _ in microbatches(samples, args.micro_batch_size, args.share_prefixes):
+        with unwrap(model).disable_adapter() if adapter_off else nullcontext():
+            logp = action_logprobs(model, build_batch(micro, device), args.temperature,
+                                   args.share_prefixes)
+        keep_logprobs(micro, logp, key)
+
+
+def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(π_θ ‖ π_ref) (Schulman 2020; verl's low_var_kl): e^x − x − 1,
+    x = log π_ref − log π_θ clamped to [−20, 20] first (no NaN gradient from an overflowing exp),
+    the estimate then to [−10, 10]."""
+    x = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(x) - x - 1, min=-10.0, max=10.0)
+
+
+def update(policy, optimizer, samples: list[TrainingSample], args: Args, rng: np.random.Generator,
+           reference=None) -> dict:
+    """--ppo-epochs passes over the step's samples in minibatches of about --minibatch-size, an
+    optimizer step each: the sum of `policy_loss` over a minibatch divided by its `loss_divisor`.
+
+    Under torchrun `samples` are this rank's: every rank draws the same permutation of the global
+    list and trains its part of each minibatch, and the divisor is global, so a step is the same on
+    1 or 8 ranks. A minibatch whose loss or gradient is not finite, or whose k1 estimate of
+    KL(π_old ‖ π) per sample passes --kl-threshold, abandons the rest of the update (ml-loop)."""
+    t0 = time.time()
+    gathered = dist.all_gather_object([s.origin for s in samples])
+    origins = sorted(origin for part in gathered for origin in part)  # every rank's samples
+    if not origins:  # no rank has a sample (LOOP: every rollout filtered)
+        return {"gradient_steps": 0, "abandoned": 0.0, "time_logprobs_s": 0.0}
+    mine = {s.origin: s for s in samples}
+    n_minibatches = max(1, math.ceil(len(origins) / args.minibatch_size))
+    minibatches = []
+    for _ in range(args.ppo_epochs):  # a new order each epoch
+        for part in np.array_split(rng.permutation(len(origins)), n_minibatches):
+            minibatches.append([mine[origins[j]] for j in part if origins[j] in mine])
+    # π_old, the policy that sampled the rollouts: the first minibatch trains on it before any
+    # step, so its own forward, detached, is π_old; every other sample's is computed now
+    first = {s.origin for s in minibatches[0]}
+    later = dict.fromkeys(s.origin for mb in minibatches[1:] for s in mb if s.origin not in first)
+    policy_logprobs(policy, [mine[o] for o in later], args, "old_logp")
+    if args.kl_coef > 0:  # π_ref: a frozen copy, or with LoRA the base model, adapter off
+        policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
+                        adapter_off=reference is None)
+    time_logprobs = time.time() - t0
+    params = [p for p in policy.parameters() if p.requires_grad]
+    device = next(policy.parameters()).device
+    totals = dict.fromkeys(LOSS_STATS, 0.0)  # this rank's, over the optimizer steps taken
+    steps = dict(divisor=0.0, tokens=0.0, grad_norm=0.0, taken=0)
+    ratio_min, ratio_max, abandoned = math.inf, -math.inf, False
+    policy.train()
+    for index, minibatch in enumerate(minibatches):
+        divisor = loss_divisor(minibatch, args)  # global
+        tokens = dist.all_reduce(float(sum(sum(s.action_mask) for s in minibatch)))  # global
+        before, sums = dict(totals), dict.fromkeys(LOSS_STATS, 0.0)  # sums: this minibatch's
+        low, high, backward = math.inf, -math.inf, False
+        optimizer.zero_grad()
+        for micro, weight in microbatches(minibatch, args.micro_batch_size, args.share_prefixes):
+            signal = weight > 0 and (args.kl_coef > 0 or any(any(s.advantages) for s in micro))
+            if args.ppo_epochs == 1 and not dist.all_reduce(int(signal), "max"):
+                continue  # A = 0 on every rank's rows, no KL: a zero gradient, not computed
+            batch = build_batch(micro, device)
+            logp = action_logprobs(policy, batch, args.temperature, args.share_prefixes)  # (B, T-1)
+            batch["action_mask"] = batch["action_mask"] * weight  # weight 0: the placeholder
+            if index == 0 or not weight:  # on-policy (the placeholder stores nothing)
+                batch["old_logp"] = logp.detach()
+            else:
+                batch["old_logp"] = stacked(micro, "old_logp")
+            if index == 0 and weight and args.ppo_epochs > 1:  # a later epoch reads it
+                keep_logprobs(micro, logp.detach(), "old_logp")
+            if args.kl_coef > 0:
+                batch["ref_logp"] = stacked(micro, "ref_logp") if weight else logp.detach()
+            loss, stats = policy_loss(logp, batch, args)
+            (loss / divisor * dist.grad_scale()).backward()
+            backward = True
+            with torch.no_grad():  # the ratio's spread; KL(π_old ‖ π) per sample (ml-loop's k1, k3)
+                mask = batch["action_mask"]
+                log_ratio = (logp - batch["old_logp"]) * mask  # (B, T-1)
+                per_sample = log_ratio.sum(1)  # (B,) log π/π_old over each sample's tokens
+                ratios = torch.exp(log_ratio[mask.bool()])
+                stats.update(loss=loss.item(), ratio_sum=float(ratios.sum()),
+                             ratio_tokens=float(ratios.numel()), k1=float(-per_sample.sum()),
+                             k3=float((torch.expm1(per_sample.clamp(max=50.0)) - per_sample).sum()),
+                             samples=float(len(micro)) if weight else 0.0)
+                if ratios.numel():
+                    low, high = min(low, float(ratios.min())), max(high, float(ratios.max()))
+            for key, value in stats.items():
+                sums[key] += value
+                totals[key] += value
+        if not backward:  # every micro-batch skipped: AdamW still steps, on a zero gradient
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        reduced = dist.all_reduce(torch.tensor([sums["loss"], sums["k1"], sums["samples"]],
+                                               dtype=torch.float64)).tolist()
+        k1 = reduced[1] / max(reduced[2], 1.0)
+        finite = math.isfinite(reduced[0]) and math.isfinite(grad_norm)
+        if not finite or (args.kl_threshold > 0 and abs(k1) > args.kl_threshold):
+            optimizer.zero_grad(set_to_none=True)
+            totals, abandoned = before, True  # this minibatch counts for nothing
+            break
+        optimizer.step()
+        steps["divisor"] += divisor
+        steps["tokens"] += tokens
+        steps["grad_norm"] += grad_norm
+        steps["taken"] += 1
+        ratio_min = min(ratio_min, dist.all_reduce(low, "min"))
+        ratio_max = max(ratio_max, dist.all_reduce(high, "max"))
+    policy.eval()
+    reduced = dist.all_reduce(torch.tensor([totals[k] for k in LOSS_STATS], dtype=torch.float64))
+    total = dict(zip(LOSS_STATS, reduced.tolist(), strict=True))  # over ranks
+    taken, n = steps["taken"], max(total["samples"], 1.0)
+    measured = total["ratio_tokens"] > 0
+    out = {"loss": total["loss"] / steps["divisor"] if taken else 0.0,
+           "clip_fraction": total["clipped"] / max(steps["tokens"], 1.0),
+           "grad_norm": steps["grad_norm"] / max(taken, 1), "gradient_steps": taken,
+           "ratio_mean": total["ratio_sum"] / total["ratio_tokens"] if measured else 1.0,
+           "ratio_min": ratio_min if measured else 1.0, "ratio_max": ratio_max if measured else 1.0,
+           "kl_k1": total["k1"] / n, "kl_k3": total["k3"] / n,
+           "abandoned": float(abandoned), "time_logprobs_s": time_logprobs}
+    if args.kl_coef > 0:
+        out["kl"] = total["kl"] / steps["divisor"] if taken else 0.0
+    return out
+
+
+# what update sums over micro-batches: policy_loss's (loss, clipped tokens, kl) and the ratio's
+LOSS_STATS = ("loss", "clipped", "kl", "ratio_sum", "ratio_tokens", "k1", "k3", "samples")
+
+
+# ==================================================================================================
+# SCAFFOLDING of T²PO's own: its metrics, evaluation, RFT's data, environments
+# ==================================================================================================
+def episode_row(ep: Episode) -> dict:
+    """An episode's figures for the metrics: a small record each rank sends to rank 0."""
+    turns = ep.turns
+    return {"won": ep.won, "score": ep.score, "reward": sum(t.reward - t.penalty for t in turns),
+            "turns": len(turns), "tokens": sum(len(t.response_ids) for t in turns),
+            "think_tokens": sum(t.think_tokens for t in turns),
+            "tti_interventions": sum(t.intervened for t in turns),
+            "invalid": sum(not t.valid for t in turns),
+            "inadmissible": sum(not t.admissible for t in turns),
+            "tds_resamples": sum(t.resamples for t in turns),
+            "tti_wasted_tokens": sum(t.wasted_tokens for t in turns)}
+
+
+def episode_metrics(rows: list[dict], prefix: str = "") -> dict:
+    """Means over episodes (success, score, reward) and over turns (tokens, TTI, format), sums."""
+    won, score, reward = ((np.array([row[k] for row in rows], dtype=float) for k in
+                           ("won", "score", "reward")) if rows else ([0.0],) * 3)
+    counted = ("turns", "tokens", "think_tokens", "tti_interventions", "invalid", "inadmissible",
+               "tds_resamples", "tti_wasted_tokens")
+    total = {k: sum(row[k] for row in rows) for k in counted}
+    turns = max(1, total["turns"])
     per_turn = {"tokens_per_turn": "tokens", "think_tokens_per_turn": "think_tokens",
                 "tti_interventions": "tti_interventions", "format_error_rate": "invalid",
                 "inadmissible_rate": "inadmissible"}
     out = {"rollouts": len(rows), "success_rate": float(np.mean(won)),
            "score": float(np.mean(score)), "reward_mean": float(np.mean(reward)),
-           "turns_per_episode": stats["turns"] / max(1, len(rows)),
-           **{name: stats[key] / turns for name, key in per_turn.items()},
-           "tds_resamples": stats["tds_resamples"], "tti_wasted_tokens": stats["tti_wasted_tokens"]}
+           "turns_per_episode": total["turns"] / max(1, len(rows)),
+           **{name: total[key] / turns for name, key in per_turn.items()},
+           "tds_resamples": total["tds_resamples"], "tti_wasted_tokens": total["tti_wasted_tokens"]}
     return {prefix + k: v for k, v in out.items()}
 
 
-def evaluate(generator, tokenizer, pool: EnvPool, tasks: list, args: Args, step: int,
-             stage: str = "", prefix: str = "eval/") -> dict:
-    """One held-out (or probe/) episode per task, TTI on, TDS off; stage: the transcripts' name."""
+def rollout_metrics(rollouts: list[Episode], samples: list[TrainingSample], args: Args) -> dict:
+    """The step's episodes over all ranks; num_tokens: the tokens the policy sampled (trained)."""
+    rows = [row for part in dist.all_gather_object([episode_row(ep) for ep in rollouts])
+            for row in part]
+    num_tokens = dist.all_reduce(sum(sum(s.action_mask) for s in samples))
+    return {**episode_metrics(rows), "num_tokens": int(num_tokens)}
+
+
+def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stage: str,
+             prefix: str = "eval/") -> dict:
+    """One episode per task (held-out, or the probe/ tasks), TTI on, TDS off, after `step`
+    updates; its transcripts in <out>/transcripts/<stage>.jsonl."""
     t0 = time.time()
-    episodes, stats = rollout(generator, tokenizer, pool, tasks, list(range(len(tasks))), args,
-                              step=step, train=False, temperature=args.eval_temperature,
-                              top_p=args.eval_top_p, top_k=args.eval_top_k)
-    m = {**rollout_metrics(episodes, stats, prefix=prefix), prefix + "time_s": time.time() - t0}
-    if stage:  # the episodes as text (prompt, response, action, observation, reward per turn)
-        run.write_transcripts(args, stage, [dict(
-            task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
-            turns=[dict(prompt=tokenizer.decode(t.prompt_ids), response=tokenizer.decode(
-                t.response_ids), action=t.action, observation=t.observation, reward=t.reward,
-                valid=t.valid) for t in ep.turns]) for ep in episodes])
-        who = "held-out" if prefix == "eval/" else prefix[:-1]
-        run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  score "
-                f"{m[prefix + 'score']:.3f}  tokens/turn {m[prefix + 'tokens_per_turn']:.1f}  "
-                f"invalid {m[prefix + 'format_error_rate']:.2f}")
+    episodes = rollout(r.generator, r.tokenizer, pool, tasks, list(range(len(tasks))), args,
+                       step=step, train=False, temperature=args.eval_temperature,
+                       top_p=args.eval_top_p, top_k=args.eval_top_k)
+    m = {**episode_metrics([episode_row(ep) for ep in episodes], prefix),
+         prefix + "time_s": time.time() - t0}
+    decode = r.tokenizer.decode
+    run.write_transcripts(args, stage, [dict(
+        task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
+        turns=[dict(prompt=decode(t.prompt_ids), response=decode(t.response_ids), action=t.action,
+                    observation=t.observation, reward=t.reward, valid=t.valid) for t in ep.turns])
+        for ep in episodes])
+    who = "held-out" if prefix == "eval/" else prefix[:-1]
+    run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  score "
+            f"{m[prefix + 'score']:.3f}  tokens/turn {m[prefix + 'tokens_per_turn']:.1f}  "
+            f"invalid {m[prefix + 'format_error_rate']:.2f}")
     return m
 
 
-# Cold start: rejection-sampling fine-tuning (RFT) on successful, well-formed trajectories.
 def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
     """Replay the env's scripted expert (expert_action, expert_thought) in the policy's prompts."""
     episodes = []
@@ -588,218 +894,53 @@ def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
 
 
 def rft_keep(episodes: list[Episode]) -> list:
+    """RFT's filter: the turns of the episodes that won with every turn well formed."""
     return [t for ep in episodes if ep.won and all(t.valid for t in ep.turns) for t in ep.turns]
 
 
-def sampled_rft_turns(generator, tokenizer, options: dict, train_tasks: list,
-                      args: Args) -> tuple[list[bool], list[Turn]]:
-    """Rejection sampling: ranks split the episodes, each keeps all wins; (each won, kept turns)."""
-    wins, turns, per_rank = [], [], args.group_size  # episodes per rank per round
-    pool = EnvPool(args.env, per_rank, **options)
-    for r in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
-        first = r * dist.world_size() * per_rank
+def sampled_demonstrations(r: run.Run, envs: Envs, args: Args) -> tuple[list[Episode], list]:
+    """Rejection sampling: --cold-start-episodes episodes of the policy, the ranks sharing them;
+    (every rank's episodes, the turns rft_keep keeps), the same on every rank."""
+    episodes, kept, per_rank = [], [], args.group_size  # episodes per rank per round
+    pool = EnvPool(args.env, per_rank, **envs.options)
+    for round_ in range(math.ceil(args.cold_start_episodes / (per_rank * dist.world_size()))):
+        first = round_ * dist.world_size() * per_rank
         ids = dist.shard(list(range(first, first + dist.world_size() * per_rank)))
-        tasks = [train_tasks[i % len(train_tasks)] for i in ids]
-        eps, _ = rollout(generator, tokenizer, pool, tasks, ids, args, step=-1, train=False,
-                         temperature=args.temperature, keys=ids)
-        kept = [Turn(t.prompt_ids, t.response_ids, t.action_mask) for t in rft_keep(eps)]
-        for part_wins, part_turns in dist.all_gather_object(([e.won for e in eps], kept)):
-            wins += part_wins
-            turns += part_turns
-    return wins, turns
+        tasks = [envs.train_tasks[i % len(envs.train_tasks)] for i in ids]
+        eps = rollout(r.generator, r.tokenizer, pool, tasks, ids, args, step=-1, train=False,
+                      temperature=args.temperature, keys=ids)
+        turns = [(t.prompt_ids, t.response_ids, t.action_mask) for t in rft_keep(eps)]
+        for part_wins, part_turns in dist.all_gather_object(([e.won for e in eps], turns)):
+            episodes += part_wins
+            kept += part_turns
+    return episodes, kept
 
 
-def cold_start(r: run.Run, env, options: dict, train_tasks: list, args: Args, rng=None) -> dict:
-    """RFT: SFT (mean NLL, forced tokens masked) on the expert's or the policy's rft_keep turns."""
-    t0 = time.time()
-    rng = rng or np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
-    has_expert = hasattr(env, "expert_action")  # build_envs checked it has expert_thought too
+def demonstrations(r: run.Run, envs: Envs, args: Args, rng: np.random.Generator
+                   ) -> tuple[list[TrainingSample], int, int]:
+    """RFT, the paper's cold start: the turns of successful, well-formed trajectories of the env's
+    scripted expert (or sampled from the policy: --cold-start-source sample), a sample each;
+    (samples, episodes won, episodes played)."""
+    has_expert = hasattr(envs.env, "expert_action")  # build_envs checked it has expert_thought too
     source = args.cold_start_source.replace("auto", "expert" if has_expert else "sample")
-    if source == "expert":
-        n = min(args.cold_start_episodes, len(train_tasks))
-        picks = rng.choice(len(train_tasks), n, replace=False)
-        episodes = expert_episodes(env, [train_tasks[i] for i in picks], args)
-        wins, eos = [ep.won for ep in episodes], [r.tokenizer.eos_token_id]
-        responses = [(t, r.tokenizer(t.text, add_special_tokens=False)["input_ids"] + eos)
-                     for t in rft_keep(episodes)]
-        turns = [Turn(encode_prompt(r.tokenizer, t.prompt), x, [1] * len(x)) for t, x in responses]
+    if source == "sample":
+        wins, turns = sampled_demonstrations(r, envs, args)
     else:
-        wins, turns = sampled_rft_turns(r.generator, r.tokenizer, options, train_tasks, args)
-    run.say(f"[rft] {len(turns)} turns kept from {sum(wins)}/{len(wins)} successful episodes "
-            f"({source})")
-    if not turns:
-        return {}
-    log_likelihood = lambda rows: sft_log_likelihood(r.policy, [turns[i] for i in rows],
-                                                     args.share_prefixes)
-    with run.precision(args):
-        loss = run.sft(r.policy, len(turns), log_likelihood, lr=args.cold_start_lr,
-                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                       epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
-                       permute=lambda n: rng.permutation(n).tolist())
-    r.generator.update_weights(r.model)
-    run.say(f"[rft] SFT loss {loss:.3f}  ({time.time() - t0:.0f}s)")
-    return {"cold_start/episodes": sum(wins), "cold_start/samples": len(turns),
-            "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
-
-
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                  action_mask: torch.Tensor, clip_eps: float,
-                  dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_tokens −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old (the caller divides by #tokens),
-    and the clipped-token count; dual_clip c > 1 (Ye et al. 2020, verl): for A < 0 at most −c·A."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
-    token_loss = -torch.minimum(unclipped, clipped)
-    if dual_clip > 0:
-        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -dual_clip * adv), token_loss)
-    n_clipped = ((clipped < unclipped).float() * action_mask).sum()
-    return (token_loss * action_mask).sum(), n_clipped
-
-
-def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 KL(π_θ || π_ref): e^x − x − 1, x = log π_ref − log π_θ; clamped ±10 (verl)."""
-    log_ratio = ref_logp - logp
-    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
-
-
-def turn_key(turn: Turn) -> tuple:
-    return tuple(turn.prompt_ids), tuple(turn.response_ids), tuple(turn.action_mask)
-
-
-def build_batch(turns: list[Turn], device=None) -> dict[str, torch.Tensor]:
-    """Distinct turns (a repeat runs once), prompt + response padded: input_ids, attention_mask
-    (U, T); action_mask (U, T-1), 1 where target t+1 was sampled; rows (B,): each turn's row."""
-    keys = [turn_key(t) for t in turns]
-    distinct = list(dict.fromkeys(keys))
-    unique = [turns[keys.index(k)] for k in distinct]
-    seqs = [t.prompt_ids + t.response_ids for t in unique]
-    masks = [[0] * len(t.prompt_ids) + t.action_mask for t in unique]
-    pad = lambda rows, dtype: pad_sequence([torch.tensor(r, dtype=dtype, device=device)
-                                            for r in rows], batch_first=True)  # (U, T), zeros after
-
-    return {"input_ids": pad(seqs, torch.long),
-            "attention_mask": pad([[1] * len(s) for s in seqs], torch.long),
-            "action_mask": pad(masks, torch.float32)[:, 1:],  # logp[:, t] scores token t+1
-            "rows": torch.tensor([distinct.index(k) for k in keys], device=device)}
-
-
-def action_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
-                    share_prefixes: bool = True) -> torch.Tensor:
-    """(B, T-1) log-probs of the action tokens (0 elsewhere); shared prefixes run once if asked."""
-    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                          temperature=temperature, target_mask=batch["action_mask"],
-                          share_prefixes=share_prefixes)  # (U, T-1)
-    return logp[batch["rows"]]
-
-
-def microbatches(turns: list[Turn], size: int, share_prefixes: bool = False
-                 ) -> list[tuple[list[Turn], float]]:
-    """(turns, weight) micro-batches of ≤ size distinct turns and their copies, as many per rank."""
-    filler = turns[:1] or [Turn([0], [0], [1])]  # weight 0: keeps every rank's backward connected
-    copies = defaultdict(list)
-    for t in turns:
-        copies[turn_key(t)].append(t)
-    length = lambda k: len(k[0]) + len(k[1])
-    distinct = sorted(copies) if share_prefixes else sorted(copies, key=length)  # prefix order
-    return dist.same_count([[t for k in distinct[b:b + size] for t in copies[k]]
-                            for b in range(0, len(distinct), size)], filler)
-
-
-def sft_log_likelihood(policy, turns: list[Turn], share_prefixes: bool
-                       ) -> tuple[torch.Tensor, float]:
-    """RFT's SFT term: Σ log π over the turns' policy tokens (forced ones masked); their count."""
-    batch = build_batch(turns, next(policy.parameters()).device)
-    action_mask = batch["action_mask"][batch["rows"]]  # (B, T-1)
-    logp = action_logprobs(policy, batch, 1.0, share_prefixes)  # (B, T-1)
-    return (logp * action_mask).sum(), float(action_mask.sum())
-
-
-@torch.no_grad()
-def policy_logprobs(model, turns: list[Turn], args: Args, key: str,
-                    adapter_off: bool = False) -> None:
-    """turn.<key> = its (len(ids) − 1,) log-probs under `model`; adapter_off: LoRA's base model."""
-    for batch, _ in microbatches(turns, args.micro_batch_size, args.share_prefixes):
-        with unwrap(model).disable_adapter() if adapter_off else nullcontext():
-            logp = action_logprobs(model, build_batch(batch, next(model.parameters()).device),
-                                   args.temperature, args.share_prefixes)
-        for t, row in zip(batch, logp, strict=True):
-            setattr(t, key, row[:len(t.prompt_ids) + len(t.response_ids) - 1])
-
-
-def turn_samples(episodes: list[Episode], advantages: list[list[float]]) -> list[Turn]:
-    """One training sample per turn with a policy token: a copy with its advantage."""
-    return [replace(turn, advantage=a)
-            for ep, adv in zip(episodes, advantages, strict=True)
-            for turn, a in zip(ep.turns, adv, strict=True) if sum(turn.action_mask) > 0]
-
-
-def stacked(turns: list[Turn], key: str) -> torch.Tensor:
-    return pad_sequence([getattr(t, key) for t in turns], batch_first=True)  # (B, T-1) as logp
-
-
-def update(policy, optimizer, samples: list[Turn], args: Args, rng: np.random.Generator,
-           reference=None) -> dict:
-    """One epoch of PPO-clip, an optimizer step per minibatch, token-mean; the minibatch count and
-    the token divisor are global (`samples` are this rank's), so 1 or 8 ranks take the same step."""
-    n_minibatches = max(1, math.ceil(dist.all_reduce(len(samples)) / args.minibatch_size))
-    parts = np.array_split(rng.permutation(len(samples)), n_minibatches)  # as many on every rank
-    # π_old: the first minibatch's is its own forward, detached (no dropout); the later ones' now.
-    if n_minibatches > 1:
-        policy_logprobs(policy, [samples[i] for part in parts[1:] for i in part], args, "old_logp")
-    if args.kl_coef > 0:
-        policy_logprobs(reference if reference is not None else policy, samples, args, "ref_logp",
-                        adapter_off=reference is None)
-    policy.train()
-    device = next(policy.parameters()).device
-    totals = defaultdict(float)
-    for index, part in enumerate(parts):
-        minibatch = [samples[i] for i in part]
-        n_tokens = float(sum(sum(s.action_mask) for s in minibatch))
-        n_tokens = max(1.0, dist.all_reduce(n_tokens))  # the global count
-        optimizer.zero_grad()
-        for turns, weight in microbatches(minibatch, args.micro_batch_size, args.share_prefixes):
-            batch = build_batch(turns, device)
-            logp = action_logprobs(policy, batch, args.temperature, args.share_prefixes)
-            # weight 0: a placeholder (no stored log-probs), zero loss and gradient
-            action_mask = batch["action_mask"][batch["rows"]] * weight  # (B, T-1)
-            old = stacked(turns, "old_logp") if index > 0 and weight else logp.detach()
-            adv = torch.tensor([s.advantage for s in turns], device=logp.device)[:, None]  # (B, 1)
-            loss, n_clipped = ppo_clip_loss(logp, old, adv, action_mask, args.clip_eps,
-                                            args.dual_clip)
-            if args.kl_coef > 0:  # token-mean of the per-token KL estimate
-                ref = stacked(turns, "ref_logp") if weight else logp.detach()
-                kl = (low_var_kl(logp, ref) * action_mask).sum()
-                loss = loss + args.kl_coef * kl
-                totals["kl"] += kl.item()
-            (loss / n_tokens * dist.grad_scale()).backward()
-            totals["loss"] += loss.item()
-            totals["clipped"] += n_clipped.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        totals["grad_norm"] += float(grad_norm)
-        optimizer.step()
-        totals["tokens"] += n_tokens
-    policy.eval()
-    tokens = totals["tokens"]
-    loss, clipped, kl = (dist.all_reduce(totals[k]) for k in ("loss", "clipped", "kl"))  # shares
-    out = {"loss": loss / tokens, "clip_fraction": clipped / tokens,
-           "grad_norm": totals["grad_norm"] / n_minibatches, "num_tokens": int(tokens)}
-    return {**out, "kl": kl / tokens} if args.kl_coef > 0 else out
-
-
-@dataclass
-class Envs:
-    env: object  # the environment itself: the scripted expert, --dry-run's prompts
-    train_tasks: list
-    eval_tasks: list
-    options: dict  # the environment's options, for more pools (RFT's sampling)
-    my_groups: list[int]  # this rank's task groups of a step (indices into the step's tasks)
-    pool: EnvPool  # this rank's training episodes: len(my_groups) × group_size
-    eval_pool: EnvPool | None  # rank 0: the held-out tasks
-    probe_pool: EnvPool | None  # rank 0, with --probe-tasks: the first training tasks
+        n = min(args.cold_start_episodes, len(envs.train_tasks))
+        picks = rng.choice(len(envs.train_tasks), n, replace=False)
+        episodes = expert_episodes(envs.env, [envs.train_tasks[i] for i in picks], args)
+        wins, eos, turns = [ep.won for ep in episodes], [r.tokenizer.eos_token_id], []
+        for turn in rft_keep(episodes):
+            ids = r.tokenizer(turn.text, add_special_tokens=False)["input_ids"] + eos
+            turns.append((encode_prompt(r.tokenizer, turn.prompt), ids, [1] * len(ids)))
+    samples = [TrainingSample((i,), prompt, response, mask, [0.0] * len(response))
+               for i, (prompt, response, mask) in enumerate(turns)]
+    return samples, sum(wins), len(wins)
 
 
 def build_envs(args: Args) -> Envs:
-    """The env, tasks and pools, before the model loads: each rank whole groups; rank 0 held-out."""
+    """The env, its tasks and pools, before the model loads: each rank plays whole groups, rank 0
+    the held-out (and probe) tasks."""
     env, options, train_tasks, eval_tasks = run.make_env(args)
     if hasattr(env, "expert_action") or (args.cold_start and args.cold_start_source == "expert"):
         require(env, "expert_action", "expert_thought", script="t2po.py", name=args.env,
@@ -808,11 +949,13 @@ def build_envs(args: Args) -> Envs:
         args.steps = max(1, args.epochs * len(train_tasks) // args.tasks_per_step)
         run.say(f"--epochs {args.epochs}: {args.steps} steps of {args.tasks_per_step} / "
                 f"{len(train_tasks)} tasks")
-    my_groups = dist.shard(list(range(args.tasks_per_step)))
-    main_pool = lambda n: EnvPool(args.env, n, **options) if n and dist.is_main() else None
-    return Envs(env, train_tasks, eval_tasks, options, my_groups,
-                pool=EnvPool(args.env, len(my_groups) * args.group_size, **options),
-                eval_pool=main_pool(len(eval_tasks)), probe_pool=main_pool(args.probe_tasks))
+    my_groups = len(dist.shard(range(args.tasks_per_step)))
+    pool = EnvPool(args.env, my_groups * args.group_size, **options)
+    main = dist.is_main()
+    eval_pool = EnvPool(args.env, len(eval_tasks), **options) if main else None
+    probe = main and args.probe_tasks > 0
+    probe_pool = EnvPool(args.env, args.probe_tasks, **options) if probe else None
+    return Envs(env, options, train_tasks, eval_tasks, pool, eval_pool, probe_pool)
 
 
 def turn_prompts(env, tasks: list, args: Args) -> list[str]:
@@ -825,75 +968,162 @@ def turn_prompts(env, tasks: list, args: Args) -> list[str]:
             for obs, info in map(env.reset, tasks)]
 
 
+def planned_sequence(args: Args) -> tuple[int, str]:
+    """--dry-run's longest training sequence: a turn's prompt from the env's own, + the response."""
+    return run.planned_length(args, turn_prompts, args.max_new_tokens)
+
+
+# ==================================================================================================
+# SCAFFOLDING: randomness, tasks, evaluation, the cold start, environments, main(); the same text in
+# loop.py, arpo.py and t2po.py
+# ==================================================================================================
 def step_rng(seed: int, step: int) -> np.random.Generator:
-    """Step `step`'s randomness, from the seed and the step alone: a resume continues exactly."""
-    return np.random.default_rng([seed, step - 1])  # keyed on the 0-based index, as before
+    """The randomness of step `step` (1-based; 0: before RL) from the seed and the step alone: a
+    resume continues exactly. With --seed, the step's tasks and the update's order, the same on
+    every rank."""
+    return np.random.default_rng([seed, (step - 1) % 2**32])
 
 
-def train_step(r: run.Run, envs: Envs, args: Args, step: int) -> dict:
-    """1. rollout: G episodes per task, T²PO's TTI and TDS inside, whole groups per rank; 2. GiGPO
-    advantages, episode and step level; 3. PPO-clip update, one sample per turn. Its metrics."""
+def sample_seed(*key: int) -> int:
+    """A sampling seed from a key of whole numbers (the run's seed, the step, the rollout, the
+    turn): the same on every rank and for any number of ranks, so a rollout depends on neither."""
+    return int(np.random.SeedSequence([k % 2**32 for k in key]).generate_state(1)[0] % 2**31)
+
+
+def step_tasks(train_tasks: list, args: Args, step: int) -> list[tuple[int, object]]:
+    """This rank's share of the step's --tasks-per-step training tasks, drawn without replacement
+    from the seed and the step: (group, task) pairs, the group its index among the step's tasks."""
+    picks = step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step, replace=False)
+    return dist.shard([(group, train_tasks[i]) for group, i in enumerate(picks)])
+
+
+def held_out(r: run.Run, envs: Envs, args: Args, stage: str, step: int) -> dict:
+    """The held-out evaluation after `step` updates: rank 0 plays, the others wait for it."""
+    return run.on_main(partial(evaluate, r, envs.eval_pool, envs.eval_tasks, args, step, stage))
+
+
+def probe(r: run.Run, envs: Envs, args: Args, step: int) -> dict:
+    """--probe-tasks: the first training tasks, played as the held-out ones: a learning curve on
+    fixed tasks ({} when off)."""
+    if not args.probe_tasks:
+        return {}
+    tasks = envs.train_tasks[:args.probe_tasks]
+    return run.on_main(partial(evaluate, r, envs.probe_pool, tasks, args, step,
+                               f"probe_step_{step}", "probe/"))
+
+
+def cold_start(r: run.Run, envs: Envs, args: Args) -> dict:
+    """Supervised fine-tuning on the winning episodes of `demonstrations` (the mean negative
+    log-likelihood of their policy tokens), so that RL starts from a policy whose groups sometimes
+    disagree. {}: nothing to learn from."""
     t0 = time.time()
-    picks = step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step,
-                                             replace=False)  # the same on every rank
-    ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
-    groups = [i // args.group_size for i in ids]  # ids: global, as the groups
-    tasks = [envs.train_tasks[picks[g]] for g in groups]
-    episodes, stats = rollout(r.generator, r.tokenizer, envs.pool, tasks, groups, args, step=step,
-                              train=True, temperature=args.temperature, keys=ids)
-    t_rollout = time.time() - t0
-    r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
-    advantages = gigpo_advantages(episodes, args.gamma, args.step_advantage_weight,
-                                  args.std_normalize, args.step_similarity)
-    samples = turn_samples(episodes, advantages)
-    with run.precision(args):  # bf16 matmuls where the hardware has them (--autocast)
-        result = update(r.policy, r.optimizer, samples, args,
-                        step_rng(dist.rank_seed(args.seed), step), r.reference)
-    r.generator.update_weights(r.model)  # each rank's own generator samples from the new policy
-    return {**rollout_metrics(episodes, stats, gather=True), **result,
-            "step_time_s": time.time() - t0, "time_rollout_s": t_rollout,
-            "time_update_s": time.time() - t0 - t_rollout}  # update: and the weight push
+    rng = np.random.default_rng(args.seed)  # the plain seed: the same data on every rank
+    samples, won, played = demonstrations(r, envs, args, rng)
+    run.say(f"[cold start] {len(samples)} samples from {won}/{played} winning episodes")
+    if not samples:
+        return {}
+
+    def log_likelihood(rows: list[int]) -> tuple[torch.Tensor, float]:
+        batch = build_batch([samples[i] for i in rows], r.device)
+        logp = action_logprobs(r.policy, batch, 1.0, args.share_prefixes)  # (B, T-1)
+        return (logp * batch["action_mask"]).sum(), float(batch["action_mask"].sum())
+
+    def permute(n: int) -> list[int]:  # each epoch's order
+        return rng.permutation(n).tolist()
+
+    with run.precision(args):
+        loss = run.sft(r.policy, len(samples), log_likelihood, lr=args.cold_start_lr,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       epochs=args.cold_start_epochs, micro_batch_size=args.micro_batch_size,
+                       permute=permute)
+    r.generator.update_weights(r.model)
+    run.say(f"[cold start] SFT loss {loss:.3f} ({time.time() - t0:.0f}s)")
+    return {"cold_start/episodes": won, "cold_start/samples": len(samples),
+            "cold_start/loss": loss, "cold_start/time_s": time.time() - t0}
+
+
+@dataclass
+class Envs:
+    """The environment and its tasks, built before the model loads."""
+
+    env: object  # the environment itself: its scripted expert, --dry-run's prompts
+    options: dict  # the options every copy of it gets
+    train_tasks: list
+    eval_tasks: list
+    pool: object  # what plays this rank's training rollouts
+    eval_pool: object  # rank 0: what plays the held-out tasks (None on other ranks)
+    probe_pool: object  # rank 0, with --probe-tasks: what plays the first training tasks
+
+
+def overruns(args: Args, step: int, t_begin: float, step_times: list[float], t_eval: float) -> bool:
+    """--max-minutes: would the next step and the final evaluation overrun? Alike on every rank."""
+    if args.max_minutes <= 0 or step >= args.steps:
+        return False
+    needed = time.time() - t_begin + sum(step_times) / len(step_times) + t_eval
+    return bool(dist.all_reduce(int(needed > 60 * args.max_minutes), "max"))
 
 
 @dist.entrypoint
 def main(argv: list[str] | None = None) -> dict:
     t_begin = time.time()
-    args = run.parse(Args, argv, PRESETS, check_args, overridden_by={"epochs": "steps"})
-    if args.dry_run:
-        return run.dry_run(args, *run.planned_length(args, turn_prompts, args.max_new_tokens))
-    envs = build_envs(args)
-    r = run.setup(args, desc="t2po" if (args.tti or args.tds) else "gigpo")
-    held_out = lambda stage, step: run.on_main(lambda: evaluate(
-        r.generator, r.tokenizer, envs.eval_pool, envs.eval_tasks, args, step, stage))
-    probe = lambda step: run.on_main(lambda: evaluate(  # fixed training tasks: a learning curve
-        r.generator, r.tokenizer, envs.probe_pool, envs.train_tasks[:args.probe_tasks], args, step,
-        f"probe_step_{step}", prefix="probe/")) if args.probe_tasks else {}
-    # skipped before the cold start (--no-base-eval): not done later, on a resumed trained policy
-    if "base" not in r.extra and "cold_start" not in r.extra and args.base_eval:
-        r.extra["base"] = held_out("base", 0)
-        r.logger.log({"step": 0, **r.extra["base"], **({} if args.cold_start else probe(0))})
-    if args.cold_start and "cold_start" not in r.extra:  # RFT
-        log = cold_start(r, envs.env, envs.options, envs.train_tasks, args)
-        run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
-        r.extra["cold_start"] = held_out("cold_start", 0)
-        held = {k.replace("eval/", "eval_cold_start/"): v for k, v in r.extra["cold_start"].items()}
-        r.logger.log({"step": 0, **log, **probe(0), **held})
-        run.save(r, args, 0)
-    t_rl = time.time()  # time_s: seconds since RL started (a resumed run: since it resumed)
+    args = run.parse(Args, argv, PRESETS, check_args)
+    if args.dry_run:  # the memory plan per rank; no weights load
+        return run.dry_run(args, *planned_sequence(args))
+    envs = build_envs(args)  # before the model: a bad --env costs no load
+    r = run.setup(args)
+    t_eval = 0.0  # one held-out evaluation's seconds, for --max-minutes
+    if args.base_eval and not r.extra:  # a resumed run has done it
+        t0 = time.time()
+        r.extra["base"] = held_out(r, envs, args, "base", 0)
+        t_eval = time.time() - t0
+        curve = {} if args.cold_start else probe(r, envs, args, 0)  # else after the cold start
+        r.logger.log({"step": 0, **r.extra["base"], **curve})
+    if args.cold_start and "cold_start" not in r.extra:
+        if log := cold_start(r, envs, args):  # {}: nothing to learn from
+            run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
+            t0 = time.time()
+            r.extra["cold_start"] = held_out(r, envs, args, "cold_start", 0)
+            t_eval = time.time() - t0
+            held = {k.replace("eval/", "eval_cold_start/"): v
+                    for k, v in r.extra["cold_start"].items()}
+            r.logger.log({"step": 0, **log, **probe(r, envs, args, 0), **held})
+            run.save(r, args, 0)
+    line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
     for step in range(r.start_step + 1, args.steps + 1):
-        line = {"step": step, **train_step(r, envs, args, step), "time_s": time.time() - t_rl,
-                **probe(step)}
+        t0 = time.time()
+        # 1. rollout: the step's tasks, --group-size rollouts each (this rank's groups)
+        rollouts = training_rollouts(r, envs, args, step)
+        r.generator.sleep()  # vLLM on GPU: free its memory for training; update_weights wakes it
+        t_rollout = time.time() - t0
+        # 2. advantages: one training sample per trained sequence
+        samples = training_samples(rollouts, args)
+        # 3. the update; the next rollouts sample from the new policy
+        with run.precision(args):  # bf16 matmuls where --autocast asks for them
+            trained = update(r.policy, r.optimizer, samples, args, step_rng(args.seed, step),
+                             r.reference)
+        r.generator.update_weights(r.model)
+        step_times.append(time.time() - t0)
+        line = {"step": step, **rollout_metrics(rollouts, samples, args), **trained,
+                "time_s": time.time() - t_rl, "step_time_s": step_times[-1],
+                "time_rollout_s": t_rollout, "time_update_s": step_times[-1] - t_rollout,
+                **probe(r, envs, args, step)}
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            line.update(held_out(f"step_{step}", step))
+            line.update(held_out(r, envs, args, f"step_{step}", step))
         r.logger.log(line)
-        if step % args.save_every == 0 or step == args.steps:
+        stop = overruns(args, step, t_begin, step_times, t_eval)
+        if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
-    r.extra["rl"] = held_out("rl", args.steps)
-    r.logger.log({"step": args.steps, **r.extra["rl"]})
+        if stop:
+            run.say(f"stopping after step {step}: the next would overrun --max-minutes "
+                    f"{args.max_minutes}")
+            line["stopped_early_at_step"] = step
+            break
+    r.extra["rl"] = held_out(r, envs, args, "rl", line["step"])
+    r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
-    run.report(args, r.extra, len(envs.eval_tasks), also="eval/score", t_begin=t_begin)
+    run.report(args, r.extra, len(envs.eval_tasks), REPORTED, t_begin)
     dist.cleanup()
-    return r.extra
+    return {**line, **r.extra}
 
 
 if __name__ == "__main__":

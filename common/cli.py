@@ -20,12 +20,15 @@ from typing import Literal, TypeVar
 T = TypeVar("T")
 
 
-def opt(group: str, default, help: str, *, ge=None, gt=None, le=None, lt=None, why: str = ""):
+def opt(group: str, default, help: str, *, ge=None, gt=None, le=None, lt=None, why: str = "",
+        overridden_by: str = ""):
     """A dataclass field of a script's Args: its default, its --help line, the group it is listed under
-    (GROUPS), and the values it accepts (>= ge, > gt, <= le, < lt; `why` is added to the refusal)."""
+    (GROUPS), and the values it accepts (>= ge, > gt, <= le, < lt; `why` is added to the refusal).
+    overridden_by: another field whose explicit value on the command line beats a preset's value of this
+    one (t2po: an explicit --steps beats a preset's --epochs)."""
     bounds = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
     return dataclasses.field(default=default, metadata={"help": help, "group": group, "bounds": bounds,
-                                                        "why": why})
+                                                        "why": why, "overridden_by": overridden_by})
 
 
 def metadata(cls: type, name: str) -> dict:
@@ -163,14 +166,15 @@ def apply_preset(args: T, argv: list[str], presets: dict[str, dict], *,
     """Fill `presets[args.preset]` into every field argv does not set explicitly (`given_fields`), and
     print one line: the preset in force and the values it set. `--preset auto`: the preset named after
     `--env`, if there is one; `none`: no preset. overridden_by {field: other}: a preset's value of `field`
-    is also left out when argv sets `other` (t2po: an explicit --steps beats a preset's --epochs)."""
+    is also left out when argv sets `other`, as is a field declared with opt(overridden_by=other)."""
     name = args.preset
     if name == "auto":
         name = args.env if args.env in presets else "none"
     if name != "none" and name not in presets:
         raise SystemExit(f"error: --preset {name}: not one of auto, none, {', '.join(presets)}")
     given = given_fields(type(args), argv)
-    overridden_by = overridden_by or {}
+    declared = {f.name: metadata(type(args), f.name).get("overridden_by") for f in dataclasses.fields(args)}
+    overridden_by = {**{k: v for k, v in declared.items() if v}, **(overridden_by or {})}
     values = {k: v for k, v in presets.get(name, {}).items()
               if k not in given and overridden_by.get(k) not in given}
     args = dataclasses.replace(args, preset=name, **values)

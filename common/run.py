@@ -49,6 +49,9 @@ class RunArgs:
     lora_rank: int = opt("model", 0, "LoRA rank; 0 = full fine-tune", ge=0)
     lora_alpha: int = opt("model", 32, "LoRA alpha", gt=0)
     dtype: Literal["float32", "bfloat16"] = opt("model", "float32", "training dtype: float32 | bfloat16")
+    autocast: Literal["off", "bf16", "auto"] = opt(
+        "model", "off", "bf16 matmuls in training (weights, gradients, AdamW stay fp32: verl's mixed "
+        "precision), HF rollouts from a bf16 copy (ours); auto: GPU or CPU with native bf16")
     gradient_checkpointing: bool = opt("model", False, "recompute activations in backward (long sequences; "
                                        "docs/scaling.md)")
     backend: Literal["auto", "hf", "vllm"] = opt("rollout", "auto", "generation engine: auto = vLLM when "
@@ -69,12 +72,23 @@ class RunArgs:
     lr: float = opt("optimisation", 1e-5, "AdamW learning rate of RL (0: a no-update control)", ge=0)
     weight_decay: float = opt("optimisation", 0.01, "AdamW weight decay (RL and SFT)", ge=0)
     max_grad_norm: float = opt("optimisation", 1.0, "gradient-norm clip", gt=0)
+    minibatch_size: int = opt("optimisation", 32, "training samples per optimizer step (LOOP: rollouts, its "
+                              "constant divisor M; ARPO: responses; T²PO: turns)", ge=1)
+    ppo_epochs: int = opt("optimisation", 1, "passes over a step's samples, reshuffled each time (PPO's "
+                          "reuse of a batch)", ge=1)
     micro_batch_size: int = opt("optimisation", 4, "sequences per forward/backward pass (memory only)", ge=1)
     share_prefixes: bool = opt("optimisation", True, "ours: compute once each prefix that sequences of a "
                                "micro-batch share (a group's prompt, the system prompt), and in HF "
                                "rollouts reuse the KV of what earlier calls fed (TTI's chunks, TDS's "
                                "resamples); exact up to float rounding; --no-share-prefixes: all in full")
+    kl_threshold: float = opt("algorithm", 0.0, "abandon the rest of a step's update once a minibatch's k1 "
+                              "estimate of KL(π_old ‖ π) per sample passes this (ml-loop: 20); 0 = off", ge=0)
     steps: int = opt("run", 4, "RL iterations", ge=1)
+    max_minutes: float = opt("run", 0.0, "stop training early when the next step and the final evaluation "
+                             "would overrun this (0 = off)", ge=0)
+    base_eval: bool = opt("run", True, "held-out evaluation of --model before training")
+    probe_tasks: int = opt("run", 0, "the first N training tasks, played like the held-out ones after the "
+                           "cold start and each RL step: a learning curve on fixed tasks (ours)", ge=0)
     eval_every: int = opt("run", 0, "also evaluate held-out tasks every N steps (0: before and after only)",
                           ge=0)
     eval_tasks: int = opt("run", 8, "held-out tasks per evaluation", ge=1)
@@ -204,7 +218,7 @@ class Run:
     device: str
 
 
-def setup(args, desc: str) -> Run:
+def setup(args) -> Run:
     """torchrun, the run folder (args.json), the seeds, policy + tokenizer, generator, DDP/FSDP2, AdamW,
     --resume and the metrics logger. Every rank calls it; only rank 0 writes."""
     script = script_name(args)
@@ -217,7 +231,7 @@ def setup(args, desc: str) -> Run:
         model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
                                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                               gradient_checkpointing=args.gradient_checkpointing)
-        bf16 = hasattr(args, "autocast") and bf16_training(args)  # t2po's --autocast
+        bf16 = bf16_training(args)
         generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model),
                                    share_prefixes=args.share_prefixes, bf16=bf16)
     except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
@@ -246,9 +260,10 @@ def setup(args, desc: str) -> Run:
         if not checkpoint.load_reference(args.out, reference):
             raise SystemExit(f"{script}: --resume: {args.out} has no reference/ (the policy after the cold "
                              "start, --kl-coef's reference); start a new run")
-    if getattr(args, "autocast", "off") != "off":  # the scripts that declare --autocast (t2po.py)
+    if args.autocast != "off":
         say(f"--autocast {args.autocast}: training passes in {'bf16' if bf16_training(args) else 'fp32'}"
             + (", HF rollouts from a bf16 copy" if isinstance(generator, HFGenerator) and bf16 else ""))
+    desc = script_name(args).removesuffix(".py")  # the progress bar's name
     logger = MetricsLogger(args.out, args.steps, desc, initial_step=state["step"] if state else None,
                            report_to=args.report_to, config=asdict(args), enabled=dist.is_main())
     return Run(model=model, policy=policy, tokenizer=tokenizer, generator=generator, optimizer=optimizer,
