@@ -127,8 +127,9 @@ def check_args(args: Args) -> None:
 
 
 # ==================================================================================================
-# ALGORITHM (ARPO): the step entropy and the branch rule
+# ALGORITHM (ARPO, arXiv 2507.19849)
 # ==================================================================================================
+# ALGORITHM: the step entropy and the branch rule
 TOOL_TAGS = ("python", "search")
 TOOL_STOPS = [f"</{tag}>" for tag in TOOL_TAGS]  # generation pauses at a closing tool tag (code)
 STOP_STRINGS = TOOL_STOPS + ["</answer>"]  # and with --stop-at-answer (ours) ends after the answer
@@ -173,9 +174,7 @@ def fork_probability(delta_h: float, beta: float, tau: float) -> float:
     return min(1.0, max(0.0, 1.0 - tau + beta * delta_h))
 
 
-# ==================================================================================================
-# ALGORITHM (ARPO): the entropy-based adaptive rollout
-# ==================================================================================================
+# ALGORITHM: the rollout, entropy-based and adaptive: a tree of M responses per question
 def _tool_counts() -> dict[str, int]:
     return dict.fromkeys(TOOL_TAGS, 0)
 
@@ -391,7 +390,7 @@ def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Rol
                 train=True)
 
 
-# ALGORITHM: the advantage (GRPO statistics per question) and its attribution to the tree's tokens
+# ALGORITHM: the advantage, GRPO's per question, attributed to the tree's tokens (soft | hard)
 def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """A_i = (r_i - mean(r)) / (std(r) + eps) over a question's M rollouts (unbiased std: verl)."""
     r = torch.tensor(rewards, dtype=torch.float64)
@@ -464,7 +463,7 @@ def training_samples(rollouts: list[Rollout], args: Args) -> list[TrainingSample
             for r, a in zip(rollouts, advantages, strict=True)]
 
 
-# ALGORITHM: the clipped objective (PPO-clip with dual clip; token-mean, or the paper's 1/|y_i|)
+# ALGORITHM: the objective, PPO-clip with dual clip; token-mean, or the paper's 1/|y_i|
 def resolve_loss_agg(args: Args) -> str:
     if args.loss_agg != "auto":
         return args.loss_agg

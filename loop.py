@@ -101,8 +101,9 @@ SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with 
 
 
 # ==================================================================================================
-# ALGORITHM (LOOP): the rollout, one growing token sequence per episode
+# ALGORITHM (LOOP, arXiv 2502.01600)
 # ==================================================================================================
+# ALGORITHM: the rollout, one growing token sequence per episode (only the model's tokens train)
 @dataclass
 class Rollout:
     task: object
@@ -265,7 +266,7 @@ def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Rol
                    max_turns=args.max_turns, eos_ids=model_eos_ids(r.tokenizer, r.model))
 
 
-# ALGORITHM: the leave-one-out advantage (Sec. 3), and the |A| filter
+# ALGORITHM: the advantage, leave-one-out (Sec. 3), and the |A| filter
 def leave_one_out_advantages(returns: list[float], std_normalize: bool = False) -> list[float]:
     """A_k = R_k - 1/(K-1) sum_{j != k} R_j over the K rollouts actually collected for one task."""
     k = len(returns)
@@ -321,7 +322,7 @@ def training_samples(rollouts: list[Rollout], args: Args) -> list[TrainingSample
     return samples
 
 
-# ALGORITHM: the objective (Sec. 3): per-token PPO, averaged within each trajectory
+# ALGORITHM: the objective (Sec. 3), per-token PPO averaged within each trajectory, / M
 def unit_log_ratios(log_ratio: torch.Tensor, action_mask: torch.Tensor, level: str
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group token log-ratios into the units that carry one importance weight each.
@@ -366,7 +367,7 @@ def policy_loss(logp: torch.Tensor, batch: dict[str, torch.Tensor], args: Args
     if args.kl_coef > 0:  # the KL to π_ref per action token, averaged over the trajectory likewise
         kl = (low_var_kl(logp, batch["ref_logp"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
         per_rollout = per_rollout - args.kl_coef * kl
-        stats["kl"] = float(kl.sum())
+        stats["kl"] = kl.sum().item()
     return -per_rollout.sum(), stats
 
 

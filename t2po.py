@@ -149,8 +149,9 @@ def check_args(args: Args) -> None:
 
 
 # ==================================================================================================
-# ALGORITHM (T²PO): a turn's prompt and format
+# ALGORITHM (T²PO, arXiv 2605.02178)
 # ==================================================================================================
+# ALGORITHM: a turn's prompt and format
 @dataclass
 class Turn:
     prompt_ids: list[int]  # the turn's prompt (task, last P turns, observation), chat template on
@@ -383,82 +384,8 @@ def tds_should_resample(prev: Response | None, cur: Response, args: Args) -> boo
     return 0 < abs(phi - phi_prev) < args.tds_eta
 
 
-# ALGORITHM: GiGPO's advantage (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
-def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
-    """G_t = Σ_{j≥t} γ^{j−t} r_j."""
-    out = [0.0] * (len(rewards) + 1)  # out[T] = 0: nothing after the last turn
-    for t in reversed(range(len(rewards))):
-        out[t] = rewards[t] + gamma * out[t + 1]
-    return out[:-1]
-
-
-def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> dict:
-    """key -> (mean, unbiased std); a lone value: (0, 1) at episode level (verl-agent), or itself"""
-    groups: dict = defaultdict(list)
-    for k, v in zip(keys, values, strict=True):
-        groups[k].append(v)
-    stats = {}
-    for k, g in groups.items():
-        mean = sum(g) / len(g)
-        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (len(g) - 1)) if len(g) > 1 else 1.0
-        stats[k] = (0.0 if singleton_mean_zero and len(g) == 1 else mean), std
-    return stats
-
-
-def group_normalise(values: list[float], keys: list, std_normalize: bool, singleton_mean_zero: bool,
-                    stats: dict | None = None) -> list[float]:
-    stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
-    return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
-            for k, v in zip(keys, values, strict=True)]
-
-
-def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
-    """(group, anchor cluster) per turn: its raw observation, or the first similar one (difflib)."""
-    representatives: dict = defaultdict(list)  # group -> first observation of each cluster
-    keys = []
-    for ep in episodes:
-        for turn in ep.turns:
-            if similarity >= 1:
-                keys.append((ep.group, turn.anchor))
-                continue
-            reps = representatives[ep.group]
-            ratios = (difflib.SequenceMatcher(None, turn.anchor, rep).ratio() for rep in reps)
-            cluster = next((c for c, ratio in enumerate(ratios) if ratio >= similarity), None)
-            if cluster is None:
-                reps.append(turn.anchor)
-                cluster = len(reps) - 1
-            keys.append((ep.group, cluster))
-    return keys
-
-
-def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_normalize: bool,
-                     similarity: float = 1.0) -> list[list[float]]:
-    """A = A_E + ω·A_S; p_t (an invalid turn's penalty) comes off its own scores after discounting:
-    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
-    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group, G_t = Σ_{j≥t} γ^{j−t} r_j.
-    std_normalize: verl-agent's mean_std_norm, (x − mean) / (std + 1e-6) over the group's turns
-    (episode level: a longer trajectory weighs more, unlike the paper's trajectory mean)."""
-    returns = [sum(t.reward for t in ep.turns) for ep in episodes]
-    step_values, episode_values, episode_keys = [], [], []
-    for r, ep in zip(returns, episodes, strict=True):
-        g_t = discounted_returns([t.reward for t in ep.turns], gamma)
-        step_values += [g - t.penalty for g, t in zip(g_t, ep.turns, strict=True)]
-        episode_values += [r - t.penalty for t in ep.turns]
-        episode_keys += [ep.group] * len(ep.turns)
-    if std_normalize:  # verl-agent: mean and std over the group's turns
-        a_episode = group_normalise(episode_values, episode_keys, True, singleton_mean_zero=True)
-    else:  # the paper: the mean over the group's trajectories
-        trajectory_scores = [r - sum(t.penalty for t in ep.turns) / max(1, len(ep.turns))
-                             for r, ep in zip(returns, episodes, strict=True)]
-        stats = group_stats(trajectory_scores, [ep.group for ep in episodes], True)
-        a_episode = group_normalise(episode_values, episode_keys, False, True, stats)
-    a_step = group_normalise(step_values, anchor_keys(episodes, similarity), std_normalize, False)
-    flat = iter(a + omega * b for a, b in zip(a_episode, a_step, strict=True))
-    return [[next(flat) for _ in ep.turns] for ep in episodes]
-
-
-# ALGORITHM: the rollout. Every episode of a batch advances one turn at a time, a turn generated as
-# one batch: TTI inside generate_turn, TDS resampling a hesitant turn (training only).
+# ALGORITHM: the rollout, every episode a turn at a time, a turn generated as one batch: TTI inside
+# generate_turn, TDS resampling a hesitant turn (training only)
 def turn_seed(args: Args, step: int, train: bool, episode: int, turn: int, attempt: int) -> int:
     """A turn's seed: training step `step`, or an evaluation after `step` updates (−1: RFT)."""
     return sample_seed(args.seed, step - 1 if train else step, int(train), episode, turn, attempt)
@@ -536,6 +463,80 @@ def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Epi
                    temperature=args.temperature, keys=keys)
 
 
+# ALGORITHM: the advantage, GiGPO's (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
+def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
+    """G_t = Σ_{j≥t} γ^{j−t} r_j."""
+    out = [0.0] * (len(rewards) + 1)  # out[T] = 0: nothing after the last turn
+    for t in reversed(range(len(rewards))):
+        out[t] = rewards[t] + gamma * out[t + 1]
+    return out[:-1]
+
+
+def group_stats(values: list[float], keys: list, singleton_mean_zero: bool) -> dict:
+    """key -> (mean, unbiased std); a lone value: (0, 1) at episode level (verl-agent), or itself"""
+    groups: dict = defaultdict(list)
+    for k, v in zip(keys, values, strict=True):
+        groups[k].append(v)
+    stats = {}
+    for k, g in groups.items():
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (len(g) - 1)) if len(g) > 1 else 1.0
+        stats[k] = (0.0 if singleton_mean_zero and len(g) == 1 else mean), std
+    return stats
+
+
+def group_normalise(values: list[float], keys: list, std_normalize: bool, singleton_mean_zero: bool,
+                    stats: dict | None = None) -> list[float]:
+    stats = stats if stats is not None else group_stats(values, keys, singleton_mean_zero)
+    return [(v - stats[k][0]) / (stats[k][1] + 1e-6) if std_normalize else v - stats[k][0]
+            for k, v in zip(keys, values, strict=True)]
+
+
+def anchor_keys(episodes: list[Episode], similarity: float) -> list[tuple]:
+    """(group, anchor cluster) per turn: its raw observation, or the first similar one (difflib)."""
+    representatives: dict = defaultdict(list)  # group -> first observation of each cluster
+    keys = []
+    for ep in episodes:
+        for turn in ep.turns:
+            if similarity >= 1:
+                keys.append((ep.group, turn.anchor))
+                continue
+            reps = representatives[ep.group]
+            ratios = (difflib.SequenceMatcher(None, turn.anchor, rep).ratio() for rep in reps)
+            cluster = next((c for c, ratio in enumerate(ratios) if ratio >= similarity), None)
+            if cluster is None:
+                reps.append(turn.anchor)
+                cluster = len(reps) - 1
+            keys.append((ep.group, cluster))
+    return keys
+
+
+def gigpo_advantages(episodes: list[Episode], gamma: float, omega: float, std_normalize: bool,
+                     similarity: float = 1.0) -> list[list[float]]:
+    """A = A_E + ω·A_S; p_t (an invalid turn's penalty) comes off its own scores after discounting:
+    A_E(i,t) = (R_i − p_t) − mean over i's group of (R_j − mean_t p_t), R_i = Σ_t r_t (the paper);
+    A_S(i,t) = (G_t − p_t) − mean of the same over the anchor group, G_t = Σ_{j≥t} γ^{j−t} r_j.
+    std_normalize: verl-agent's mean_std_norm, (x − mean) / (std + 1e-6) over the group's turns
+    (episode level: a longer trajectory weighs more, unlike the paper's trajectory mean)."""
+    returns = [sum(t.reward for t in ep.turns) for ep in episodes]
+    step_values, episode_values, episode_keys = [], [], []
+    for r, ep in zip(returns, episodes, strict=True):
+        g_t = discounted_returns([t.reward for t in ep.turns], gamma)
+        step_values += [g - t.penalty for g, t in zip(g_t, ep.turns, strict=True)]
+        episode_values += [r - t.penalty for t in ep.turns]
+        episode_keys += [ep.group] * len(ep.turns)
+    if std_normalize:  # verl-agent: mean and std over the group's turns
+        a_episode = group_normalise(episode_values, episode_keys, True, singleton_mean_zero=True)
+    else:  # the paper: the mean over the group's trajectories
+        trajectory_scores = [r - sum(t.penalty for t in ep.turns) / max(1, len(ep.turns))
+                             for r, ep in zip(returns, episodes, strict=True)]
+        stats = group_stats(trajectory_scores, [ep.group for ep in episodes], True)
+        a_episode = group_normalise(episode_values, episode_keys, False, True, stats)
+    a_step = group_normalise(step_values, anchor_keys(episodes, similarity), std_normalize, False)
+    flat = iter(a + omega * b for a, b in zip(a_episode, a_step, strict=True))
+    return [[next(flat) for _ in ep.turns] for ep in episodes]
+
+
 def training_samples(rollouts: list[Episode], args: Args) -> list[TrainingSample]:
     """GiGPO's A = A_E + ω·A_S on every turn; a turn with a sampled token is one training sample
     (its prompt: task, last P turns, observation), every token of it carrying the turn's A."""
@@ -550,7 +551,7 @@ def training_samples(rollouts: list[Episode], args: Args) -> list[TrainingSample
     return samples
 
 
-# ALGORITHM: the clipped objective (PPO-clip, dual clip, token-mean: the authors' verl settings)
+# ALGORITHM: the objective, PPO-clip with dual clip, token-mean (the authors' verl settings)
 def policy_loss(logp: torch.Tensor, batch: dict[str, torch.Tensor], args: Args
                 ) -> tuple[torch.Tensor, dict]:
     """Σ over the batch's sampled tokens of −min(r·A, clip(r, 1−ε, 1+ε)·A), r = π_θ/π_old, for

@@ -315,6 +315,27 @@ def test_bf16_rollouts_sample_from_a_copy_that_follows_the_policy():
     assert [s[0].logprobs for s in after] != [s[0].logprobs for s in before]
 
 
+def test_update_weights_alone_refreshes_the_bf16_copy_and_the_prefix_cache():
+    """A `.data` write (or a fused optimizer) changes weights without bumping their `_version`: only
+    update_weights can tell the generator. After it, the bf16 copy and the cached KV follow the new
+    weights: the same tokens as a generator built fresh on them (f311b87 kept both stale)."""
+    model, tokenizer = load_policy(TINY_MODEL)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)  # not near-ties
+    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16, prefix_cache=True)
+    before = gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    versions = [p._version for p in model.parameters()]
+    model.lm_head.weight.data = model.lm_head.weight.data + torch.randn_like(model.lm_head.weight)
+    assert [p._version for p in model.parameters()] == versions  # invisible to _version
+    gen.update_weights(model)
+    after = gen.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+    fresh = HFGenerator(model, tokenizer, dtype=torch.bfloat16).generate(PROMPTS, max_new_tokens=6,
+                                                                         temperature=0.0)
+    assert [(s[0].token_ids, s[0].logprobs) for s in after] == [(s[0].token_ids, s[0].logprobs)
+                                                                for s in fresh]
+    assert [s[0].logprobs for s in after] != [s[0].logprobs for s in before]
+
+
 @pytest.mark.skipif(not onednn_bf16(),
                     reason="oneDNN has no bf16 kernels on this CPU: the bf16 copy keeps F.linear")
 def test_bf16_copy_multiplies_with_packed_weights_that_follow_the_policy():

@@ -241,3 +241,28 @@ def test_bf16_forward_after_an_optimizer_step_sees_the_new_weights():
         fresh = token_logprobs(model, ids, mask).detach()
     assert not torch.allclose(after, before.detach(), atol=1e-3)
     torch.testing.assert_close(after, fresh, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_shared_prefix_packing_is_exact_under_sdpa_and_eager_attention(implementation):
+    """Packed rows of a prefix forest equal the rows alone under both attention implementations that
+    read a 4D mask: eager adds the mask to the scores, so a boolean mask (0/1, f311b87: 0.067 off on
+    this model) would not mask; the forest passes an additive one."""
+    torch.manual_seed(0)
+    model, _ = load_policy(TINY_MODEL, dtype="float64")
+    model.config._attn_implementation = implementation
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 0], [5, 6, 7, 11, 12, 13, 14], [5, 6, 20, 21, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1] * 7, [1, 1, 1, 1, 0, 0, 0]])
+    alone = torch.cat([token_logprobs(model, ids[b:b + 1, :int(mask[b].sum())],
+                                      mask[b:b + 1, :int(mask[b].sum())]).flatten() for b in range(3)])
+    packed = token_logprobs(model, ids, mask, share_prefixes=True)
+    valid = (mask[:, 1:] * mask[:, :-1]).bool()
+    torch.testing.assert_close(packed[valid], alone, atol=1e-12, rtol=0)
+
+
+def test_shared_prefix_packing_refuses_an_attention_that_reads_no_4d_mask():
+    model, _ = load_policy(TINY_MODEL)
+    model.config._attn_implementation = "flash_attention_2"
+    ids, mask = torch.tensor([[5, 6, 7], [5, 6, 8]]), torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="--no-share-prefixes"):
+        token_logprobs(model, ids, mask, share_prefixes=True)
