@@ -454,8 +454,9 @@ def read_scripts() -> str:
 
 def test_every_hook_a_script_uses_is_in_hooks_and_documented():
     text = read_scripts()
-    used = set(re.findall(r"(?:hasattr|getattr)\(env, [\"'](\w+)[\"']", text))
-    used |= set(re.findall(r"(?<![\w.])env\.(\w+)", text))
+    # the scripts reach the environment as `env` or, since the shared skeleton, as `envs.env` (Envs)
+    used = set(re.findall(r"(?:hasattr|getattr)\((?:envs\.)?env, [\"'](\w+)[\"']", text))
+    used |= set(re.findall(r"(?<![\w.])(?:envs\.)?env\.(\w+)", text))
     assert {"expert_action", "expert_thought", "expert_demo", "execute_tool", "game_file", "prepare"} <= used
     assert used - {"tasks", "reset", "step"} <= set(HOOKS), "a hook the scripts use is missing from HOOKS"
     for signature in HOOKS.values():
