@@ -20,9 +20,10 @@ from common import dist
 from common.models import load_policy
 
 
-def fixed_groups() -> list[list[dict]]:
-    """Three GiGPO groups of 2, 3 and 4 turn samples with fixed tokens and advantages; in each second
-    sample the first response token is a forced one (mask 0)."""
+def fixed_groups() -> list[list[t2po.TrainingSample]]:
+    """Three GiGPO groups of 2, 3 and 4 turn samples with fixed tokens and advantages (origin: (group,
+    sample), the same on every rank); in each second sample the first response token is a forced one (mask
+    0)."""
     g = torch.Generator().manual_seed(0)
     groups = []
     for group in range(3):
@@ -31,8 +32,9 @@ def fixed_groups() -> list[list[dict]]:
             prompt = torch.randint(100, 5000, (3 + i,), generator=g).tolist()
             response = torch.randint(100, 5000, (2 + (i * 3 + group) % 4,), generator=g).tolist()
             mask = [0 if (i == 1 and j == 0) else 1 for j in range(len(response))]
-            samples.append(t2po.Turn(prompt_ids=prompt, response_ids=response, action_mask=mask,
-                                     advantage=(-1.0) ** i * (0.5 + 0.25 * group)))
+            advantage = (-1.0) ** i * (0.5 + 0.25 * group)
+            samples.append(t2po.TrainingSample((group, i), prompt, response, mask,
+                                               [advantage] * len(response)))
         groups.append(samples)
     return groups
 
@@ -49,12 +51,14 @@ def main(out: str) -> None:
     mine = [s for group in dist.shard(fixed_groups()) for s in group]
     for it in range(2):
         samples = [dataclasses.replace(s) for s in mine]
+        # the same shuffle on every rank: update permutes the global list of samples
         stats = t2po.update(policy, optimizer, samples, args, np.random.default_rng(it))
+        tokens = t2po.loss_divisor(samples, args)  # the token-mean's divisor: every rank's policy tokens
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         agree = ranks_agree([flat])
         if dist.is_main():
             torch.save({"params": flat, "agree": agree, "stats": stats, "world": dist.world_size(),
-                        "local_samples": len(mine)}, os.path.join(out, f"step{it}.pt"))
+                        "local_samples": len(mine), "tokens": tokens}, os.path.join(out, f"step{it}.pt"))
     dist.cleanup()
 
 
