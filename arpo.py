@@ -635,17 +635,15 @@ def update(policy, optimizer, samples: list[TrainingSample], args: Args, rng: np
     t0 = time.time()
     gathered = dist.all_gather_object([s.origin for s in samples])
     origins = sorted(origin for part in gathered for origin in part)  # every rank's samples
-    if not origins:  # no rank has a sample (LOOP: every rollout filtered)
-        return {"gradient_steps": 0, "abandoned": 0.0, "time_logprobs_s": 0.0}
     mine = {s.origin: s for s in samples}
     n_minibatches = max(1, math.ceil(len(origins) / args.minibatch_size))
     minibatches = []
-    for _ in range(args.ppo_epochs):  # a new order each epoch
+    for _ in range(args.ppo_epochs if origins else 0):  # a new order each epoch; none: no step
         for part in np.array_split(rng.permutation(len(origins)), n_minibatches):
             minibatches.append([mine[origins[j]] for j in part if origins[j] in mine])
     # π_old, the policy that sampled the rollouts: the first minibatch trains on it before any
     # step, so its own forward, detached, is π_old; every other sample's is computed now
-    first = {s.origin for s in minibatches[0]}
+    first = {s.origin for s in minibatches[0]} if minibatches else set()
     later = dict.fromkeys(s.origin for mb in minibatches[1:] for s in mb if s.origin not in first)
     policy_logprobs(policy, [mine[o] for o in later], args, "old_logp")
     if args.kl_coef > 0:  # π_ref: a frozen copy, or with LoRA the base model, adapter off
