@@ -1,6 +1,7 @@
 """Masks and tokens on three tokenizer shapes (issue 23 §4). Each script's `main` runs one training step on a
 tiny random model built here (no hub), and the test reads what its loss reads -- token rows, loss masks, old
-log-probs -- against what the generator sampled:
+log-probs: the batch each call of the script's `policy_loss(logp, batch, args)` gets from the shared
+`build_batch` of its TrainingSamples -- against what the generator sampled:
 
 - every token with loss mask 1 is a token the generator sampled after the same ids (ids, not text: a response
   decoded and re-encoded puts ids the policy never chose into the update);
@@ -166,6 +167,21 @@ def eos_cycle(eos: list[int]):
     return lambda rows: [next(ends) for _ in range(rows)]
 
 
+def spy_loss(monkeypatch, script) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Patch script.policy_loss to record, per sample of each batch it gets, the sample's ids (its row of the
+    distinct sequences, padding removed), its loss mask and the old log-probs the loss divides by."""
+    rows, real = [], script.policy_loss
+
+    def policy_loss(logp, batch, args):
+        ids, attention = batch["input_ids"][batch["rows"]], batch["attention_mask"][batch["rows"]]
+        for i, a, mask, old in zip(ids, attention, batch["action_mask"], batch["old_logp"], strict=True):
+            rows.append((i[:int(a.sum())].tolist(), mask, old))
+        return real(logp, batch, args)
+
+    monkeypatch.setattr(script, "policy_loss", policy_loss)
+    return rows
+
+
 def check_rows(rows: list[tuple[list[int], torch.Tensor, torch.Tensor]], draws: Draws, model) -> None:
     """rows: what one loss call of the update read, per sequence: its ids (padding removed), the loss mask
     and the old log-probs of its targets (position t scores ids[t + 1]; padded targets included)."""
@@ -211,22 +227,7 @@ def test_loop_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     # each turn: a filler word, then an EOS id (or none: the turn runs on to its token limit)
     draws = Draws(monkeypatch, lambda call, step, rows: words(rows) if step == 0 else ends(rows)
                   if step == 1 else None)
-    rows, last = [], {}
-    real_pad, real_loss = loop.build_batch, loop.loop_loss
-
-    def build_batch(*a, **k):
-        last["batch"] = real_pad(*a, **k)
-        return last["batch"]
-
-    def loop_loss(new_logp, old_logp, action_mask, *a, **k):
-        b = last["batch"]
-        for ids, attention, mask, old in zip(b["input_ids"], b["attention_mask"], action_mask, old_logp,
-                                             strict=True):
-            rows.append((ids[:int(attention.sum())].tolist(), mask, old))
-        return real_loss(new_logp, old_logp, action_mask, *a, **k)
-
-    monkeypatch.setattr(loop, "build_batch", build_batch)
-    monkeypatch.setattr(loop, "loop_loss", loop_loss)
+    rows = spy_loss(monkeypatch, loop)
     loop.main(["--env", "toy", "--model", folder, "--backend", "hf", "--lora-rank", "0", "--no-cold-start",
                "--group-size", "2", "--tasks-per-step", "1", "--max-turns", "2", "--max-new-tokens", "6",
                "--temperature", str(TEMPERATURE), "--adv-threshold", "0", "--minibatch-size", "2",
@@ -258,39 +259,34 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
         return words(rows) if step == 0 else ends(rows) if step == 1 else None
 
     draws = Draws(monkeypatch, plan)
-    rows, last, batches = [], {}, []
-    real_logprobs, real_loss, real_update = arpo.action_logprobs, arpo.ppo_dual_clip_loss, arpo.update
+    rows, updates = spy_loss(monkeypatch, arpo), []
+    real_update = arpo.update
 
-    def action_logprobs(model_, micro_batch, *a):
-        last["batch"] = micro_batch
-        return real_logprobs(model_, micro_batch, *a)
+    def update(policy, optimizer, samples, *a, **k):
+        out = real_update(policy, optimizer, samples, *a, **k)
+        updates.append(samples)  # the step's TrainingSamples: the later minibatch's hold the old log-probs
+        return out                # the update computed before its first step
 
-    def ppo_dual_clip_loss(logp, old_logp, adv, mask, *a):
-        mb = last["batch"]
-        for ids, att, m, old in zip(mb["input_ids"], mb["attention_mask"], mask, old_logp, strict=True):
-            rows.append((ids[:int(att.sum())].tolist(), m, old))
-        return real_loss(logp, old_logp, adv, mask, *a)
-
-    def update(policy, optimizer, batch, *a, **k):
-        out = real_update(policy, optimizer, batch, *a, **k)
-        batches.append(batch)  # holds the old log-probs the update recomputed before its first step
-        return out
-
-    monkeypatch.setattr(arpo, "action_logprobs", action_logprobs)
-    monkeypatch.setattr(arpo, "ppo_dual_clip_loss", ppo_dual_clip_loss)
     monkeypatch.setattr(arpo, "update", update)
-    # --minibatches 2: the second mini-batch divides by the old log-probs after a step. --kl-coef: every
-    # micro-batch computes its loss even when all rewards tie (a random model's format errors: A = 0).
+    # --minibatch-size 2 of 3 responses: two minibatches, the second divides by the old log-probs after a
+    # step (1e3f13f: --minibatches 2 became --minibatch-size). --kl-coef: every micro-batch computes its loss
+    # even when all rewards tie (a random model's format errors: A = 0).
     arpo.main(["--env", "tools", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "3",
                "--initial-rollouts", "2", "--tasks-per-step", "1", "--max-new-tokens", "48", "--temperature",
-               str(TEMPERATURE), "--minibatches", "2", "--micro-batch-size", "2", "--kl-coef", "0.01",
+               str(TEMPERATURE), "--minibatch-size", "2", "--micro-batch-size", "2", "--kl-coef", "0.01",
                "--lr", "1e-3", "--steps", "1", "--eval-tasks", "1", "--out", str(tmp_path / "run")])
     check_rows(rows, draws, model)
-    [batch] = batches
-    whole = [(ids[:int(att.sum())].tolist(), mask, old) for ids, att, mask, old in zip(
-        batch["input_ids"], batch["attention_mask"], batch["action_mask"], batch["old_logp"], strict=True)]
+    [samples] = updates
+    # every response as its TrainingSample holds it (mask position t scores token t + 1), with the old
+    # log-probs it stored, or for the first minibatch (pi_old: its own forward) those its loss read
+    read = {tuple(ids): old for ids, _, old in rows}
+    whole = [(s.prompt_ids + s.response_ids,
+              torch.tensor(([0] * len(s.prompt_ids) + s.action_mask)[1:]),
+              s.old_logp if s.old_logp is not None else read[tuple(s.prompt_ids + s.response_ids)])
+             for s in samples]
+    assert any(s.old_logp is not None for s in samples)  # the second minibatch's, computed before a step
     check_rows(whole, draws, model)
-    assert len(whole) == 3
+    assert len(whole) == 3 and {tuple(ids) for ids, _, _ in whole} == set(read)  # each read by the loss
     calls = 0
     for ids, mask, _ in whole:
         prompt = draws.prompt_of(ids)
@@ -308,29 +304,15 @@ def test_t2po_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     folder, tok, model, _ = shape
     # two thinking words (TTI's cap is 2: it forces `</think>\n<action>` in every turn), then free sampling
     draws = Draws(monkeypatch, lambda call, step, rows: words(rows) if step < 2 else None)
-    rows, last = [], {}
-    real_batch, real_loss = t2po.build_batch, t2po.ppo_clip_loss
-
-    def build_batch(*a, **k):
-        last["batch"] = real_batch(*a, **k)
-        return last["batch"]
-
-    def ppo_clip_loss(logp, old_logp, adv, mask, *a):
-        batch = last["batch"]
-        rows_of = batch["rows"]  # the distinct turn of each row
-        ids, attention = batch["input_ids"][rows_of], batch["attention_mask"][rows_of]
-        for i, a_, m, old in zip(ids, attention, mask, old_logp, strict=True):
-            rows.append((i[:int(a_.sum())].tolist(), m, old))
-        return real_loss(logp, old_logp, adv, mask, *a)
-
-    monkeypatch.setattr(t2po, "build_batch", build_batch)
-    monkeypatch.setattr(t2po, "ppo_clip_loss", ppo_clip_loss)
-    # --minibatch-size 2 of 4 turns: the second mini-batch divides by the old log-probs after a step
+    rows = spy_loss(monkeypatch, t2po)
+    # --minibatch-size 2 of 4 turns: the second mini-batch divides by the old log-probs after a step.
+    # --kl-coef: every micro-batch computes its loss even when all advantages are 0 (1e3f13f: t2po now skips
+    # such a micro-batch, as arpo did), so that every turn is read.
     t2po.main(["--env", "toy", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "2",
                "--tasks-per-step", "1", "--max-turns", "2", "--max-new-tokens", "24", "--temperature",
                str(TEMPERATURE), "--tti-max-think", "2", "--tti-chunk", "4", "--minibatch-size", "2",
-               "--micro-batch-size", "2", "--lr", "1e-3", "--reward", "env", "--steps", "1", "--eval-tasks",
-               "1", "--out", str(tmp_path / "run")])
+               "--micro-batch-size", "2", "--kl-coef", "0.01", "--lr", "1e-3", "--reward", "env", "--steps", "1",
+               "--eval-tasks", "1", "--out", str(tmp_path / "run")])
     assert len(rows) == 4  # 2 episodes x 2 turns
     check_rows(rows, draws, model)
     for ids, mask, _ in rows:
