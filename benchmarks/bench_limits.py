@@ -6,14 +6,14 @@ as a fraction of the measured peak (prefill and update: GFLOP/s of matmul; decod
 
 1. Limits, measured: GFLOP/s of a 4096x576x1536 matmul (`--peak-shape`; SmolLM2's hidden x MLP width) in
    fp32 and in bf16 tensors, and the memory read bandwidth (summing a 1 GB fp32 tensor); medians.
-2. The work: t2po.rollout itself plays the step (`--setting default`: PRESETS["textworld"], the default run;
-   `level4`: the level-4 arm of docs/results/t2po.md, benchmarks/compare.py LEVEL4: since 85df69e the same
-   step as `default`, kept so that older numbers repeat) with `--model` on the
-   HF generator: the policy's sampled responses, TTI and TDS, its parsed actions sent to the env, step 1's
-   seeds. `--model smollm2` is the base model, which acts worse than the cold-started policy a real step 1
-   starts from (`--model runs/X/checkpoints/step_0/weights` plays that one). Every model forward of the
-   rollout is recorded: a prefill reads many tokens a row, a decode one. Then the turn samples are built
-   as t2po's update sees them (gigpo_advantages, turn_samples).
+2. The work: t2po.training_rollouts itself plays the step (`--setting default`: PRESETS["textworld"], the
+   default run; `level4`: the level-4 arm of docs/results/t2po.md, benchmarks/compare.py LEVEL4: since
+   85df69e the same step as `default`, kept so that older numbers repeat) with `--model` on the HF generator:
+   the policy's sampled responses, TTI and TDS, its parsed actions sent to the env, step 1's seeds.
+   `--model smollm2` is the base model, which acts worse than the cold-started policy a real step 1 starts
+   from (`--model runs/X/checkpoints/step_0/weights` plays that one). Every model forward of the rollout is
+   recorded: a prefill reads many tokens a row, a decode one. Then the turn samples are built
+   as t2po's update sees them (training_samples: GiGPO's advantages, one TrainingSample per turn).
 3. Per part:
    prefill: the rollout's prefill passes replayed (identical rows of a call deduplicated, left padding, as the
      generator does them; in the rollout's precision: a bf16 copy where --autocast resolves to bf16, else
@@ -44,6 +44,7 @@ import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -128,14 +129,6 @@ class Shape:
         return c * (self.n * tokens + self.head * head_tokens + 2 * self.attn * pairs)
 
 
-def step_episodes(envs, args, step: int) -> tuple[list, list, list]:
-    """(tasks, groups, ids) of the episodes t2po.train_step plays at `step`, on this one process."""
-    picks = t2po.step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step, replace=False)
-    ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
-    groups = [i // args.group_size for i in ids]
-    return [envs.train_tasks[picks[g]] for g in groups], groups, ids
-
-
 def play_step(model, tokenizer, args) -> tuple[list, dict]:
     """t2po's rollout of step 1, every model forward recorded; its turn samples."""
     envs = t2po.build_envs(args)
@@ -175,16 +168,12 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
             rec["generate_s"] += time.perf_counter() - t
 
     sampler.forward, generator.generate, generator.decode = recorded_forward, timed_generate, recorded_decode
-    step = 1
-    tasks, groups, ids = step_episodes(envs, args, step)
-    try:
-        episodes, _ = t2po.rollout(generator, tokenizer, envs.pool, tasks, groups, args, step=step,
-                                   train=True, temperature=args.temperature, keys=ids)
+    try:  # step 1's episodes, as t2po.main plays them (only the generator and tokenizer of a Run are read)
+        episodes = t2po.training_rollouts(SimpleNamespace(generator=generator, tokenizer=tokenizer), envs,
+                                          args, 1)
     finally:
         del sampler.forward
-    advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_normalize,
-                                       args.step_similarity)
-    return t2po.turn_samples(episodes, advantages), rec
+    return t2po.training_samples(episodes, args), rec
 
 
 def prefill_part(model, shape: Shape, rec: dict, repeats: int) -> dict:
@@ -210,14 +199,14 @@ def prefill_part(model, shape: Shape, rec: dict, repeats: int) -> dict:
 
 
 def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: int) -> dict:
-    micro = [t2po.build_batch(turns) for turns, _ in t2po.microbatches(samples, args.micro_batch_size, share)]
+    micro = [t2po.build_batch(part) for part, _ in t2po.microbatches(samples, args.micro_batch_size, share)]
 
     def forward_backward():
         model.zero_grad(set_to_none=True)
         with run.precision(args):
             for batch in micro:
                 logp = t2po.action_logprobs(model, batch, args.temperature, share)  # (B, T-1)
-                (logp * batch["action_mask"][batch["rows"]]).sum().backward()
+                (logp * batch["action_mask"]).sum().backward()  # (B, T-1) each sample's mask
 
     model.train()
     seconds = median_time(forward_backward, repeats)
@@ -233,7 +222,7 @@ def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: 
         processed += forest.input_ids.numel() - ids.numel()
         for segments in forest.segments:  # per segment: its queries x (its ancestors + itself)
             pairs += sum((s.end - s.start) * len(s.keys) for s in segments)
-    head = int(sum(b["action_mask"].sum() for b in micro))
+    head = int(sum(b["targets"].sum() for b in micro))  # the distinct rows' action tokens get logits
     rows = list(dict.fromkeys(tuple(t.prompt_ids + t.response_ids) for t in samples))
     return {"processed": processed, "distinct": distinct_tokens([list(r) for r in rows]),
             "seconds": seconds, "micro_batches": len(micro), "samples": len(samples),

@@ -22,11 +22,12 @@ import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 import t2po
-from benchmarks.bench_limits import SETTINGS, step_episodes
+from benchmarks.bench_limits import SETTINGS
 from common import run
 from common.cli import parse_args
 from common.generation import HFGenerator, make_generator
@@ -65,18 +66,19 @@ def rollouts(args: Args) -> list[dict]:
     model, tokenizer = load_policy(args.model)
     model.eval()
     envs = t2po.build_envs(step_args)
-    tasks, groups, ids = step_episodes(envs, step_args, 1)
     gens = {name: engine(name, model, tokenizer, args.model) for name in args.engines}
     rows = []
     for repeat in range(args.repeats):
         for name, gen in gens.items():
-            t = time.perf_counter()
-            episodes, stats = t2po.rollout(gen, tokenizer, envs.pool, tasks, groups, step_args, step=1,
-                                           train=True, temperature=step_args.temperature, keys=ids)
-            rows.append(dict(engine=name, repeat=repeat, seconds=time.perf_counter() - t,
-                             turns=stats["turns"], tokens=stats["tokens"],
-                             resamples=stats["tds_resamples"], tti=stats["tti_interventions"],
-                             won=sum(ep.won for ep in episodes)))
+            t = time.perf_counter()  # step 1's episodes as t2po.main plays them, on this engine
+            episodes = t2po.training_rollouts(SimpleNamespace(generator=gen, tokenizer=tokenizer), envs,
+                                              step_args, 1)
+            seconds = time.perf_counter() - t
+            work = {k: sum(row[k] for row in map(t2po.episode_row, episodes))
+                    for k in ("turns", "tokens", "tds_resamples", "tti_interventions", "won")}
+            rows.append(dict(engine=name, repeat=repeat, seconds=seconds, turns=work["turns"],
+                             tokens=work["tokens"], resamples=work["tds_resamples"],
+                             tti=work["tti_interventions"], won=work["won"]))
             print(json.dumps(rows[-1]), flush=True)
     print("| engine | median s | tokens generated (median) | tokens/s | TDS resamples | TTI cuts |")
     print("|---|---|---|---|---|---|")
