@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import t2po  # noqa: E402
-from common import dist, run  # noqa: E402
+from common import run  # noqa: E402
 
 
 def replay_args(run_dir: str, out: str, threads: int) -> t2po.Args:
@@ -65,24 +65,17 @@ def main(argv: list[str] | None = None) -> dict[float, dict]:
         shutil.copytree(ckpt, os.path.join(tmp, "checkpoints", f"step_{a.step}"))
         args = replay_args(a.run_dir, tmp, a.threads)
         envs = t2po.build_envs(args)
-        train_tasks, my_groups, pool = envs.train_tasks, envs.my_groups, envs.pool
-        r = run.setup(args, desc="replay")
+        r = run.setup(args)
         step = a.step + 1  # the update after the checkpoint, drawn as t2po.main draws it
-        picks = t2po.step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step,
-                                                      replace=False)
-        ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]
-        groups = [i // args.group_size for i in ids]
-        tasks = [train_tasks[picks[g]] for g in groups]
-        episodes, _ = t2po.rollout(r.generator, r.tokenizer, pool, tasks, groups, args, step=step, train=True,
-                                   temperature=args.temperature, keys=ids)
+        episodes = t2po.training_rollouts(r, envs, args, step)
         advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight,
-                                           args.std_normalize, args.step_similarity)
+                                           args.std_normalize, args.step_similarity)  # as training_samples
         print(f"step {step}: each episode's turns, the action as written and its advantage")
         for ep, adv in zip(episodes, advantages, strict=True):
             turns = [(r.tokenizer.decode(t.response_ids).rsplit("</think>", 1)[-1].strip(), round(x, 2))
                      for t, x in zip(ep.turns, adv, strict=True)]
             print(f"  won={ep.won!s:5} {turns}")
-        samples = t2po.turn_samples(episodes, advantages)
+        samples = t2po.training_samples(episodes, args)
         prompts = [s.prompt_ids for s in samples[::max(1, len(samples) // a.prompts)]][:a.prompts]
         results = {}
         weights, opt_state = copy.deepcopy(r.model.state_dict()), copy.deepcopy(r.optimizer.state_dict())
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[float, dict]:
             r.optimizer.load_state_dict(opt_state)
             for group in r.optimizer.param_groups:
                 group["lr"] = lr
-            update_rng = t2po.step_rng(dist.rank_seed(args.seed), step)
+            update_rng = t2po.step_rng(args.seed, step)  # as t2po.main: the same order on every rank
             with run.precision(args):
                 copies = [dataclasses.replace(s) for s in samples]
                 result = t2po.update(r.policy, r.optimizer, copies, args, update_rng, r.reference)
