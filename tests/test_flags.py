@@ -86,7 +86,11 @@ def test_one_concept_one_flag_in_every_script():
               "lora_alpha", "dtype", "gradient_checkpointing", "micro_batch_size", "max_grad_norm", "kl_coef",
               "temperature", "max_new_tokens", "max_turns", "eval_every", "eval_tasks", "out", "resume",
               "report_to", "save_every", "seed", "cold_start", "cold_start_episodes", "cold_start_epochs",
-              "cold_start_lr", "parallel", "dry_run"}
+              "cold_start_lr", "parallel", "dry_run",
+              # the shared update's and main's flags, in RunArgs since 1e3f13f (arpo had --minibatches, loop
+              # --epochs, t2po alone --max-minutes and --autocast, ...)
+              "minibatch_size", "ppo_epochs", "kl_threshold", "max_minutes", "base_eval", "probe_tasks",
+              "autocast", "share_prefixes"}
     for name, script in SCRIPTS.items():
         assert shared <= fields(script), (name, shared - fields(script))
     # in two of them, spelled alike
@@ -94,8 +98,9 @@ def test_one_concept_one_flag_in_every_script():
     assert "dual_clip" in fields(arpo) & fields(t2po)
     # the old spellings are gone everywhere
     old = {"micro_batch", "std_norm", "rft", "rft_source", "rft_episodes", "rft_epochs", "rft_lr",
-           "ppo_minibatch", "clip_ratio_c", "cold_start_examples"}
+           "ppo_minibatch", "clip_ratio_c", "cold_start_examples", "minibatches"}
     assert not any(old & fields(script) for script in SCRIPTS.values())
+    assert "epochs" not in fields(loop)  # its PPO epochs are --ppo-epochs; t2po's --epochs: passes over tasks
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
