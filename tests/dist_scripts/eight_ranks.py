@@ -2,15 +2,17 @@
 12 task groups (fewer groups than ranks, one per rank, and a count that is not a multiple of 8: 4 ranks
 get two groups), first through DDP, then through FSDP2, from the same initial weights.
 
-The data are the 2-rank workers' (loop_update, arpo_update, t2po_update) with more groups. float64, plain
-SGD for loop and arpo (a wrongly scaled gradient shows), AdamW for t2po as its worker. After each update
-every rank gathers the full parameters (FSDP2: an all-gather) and rank 0 records whether they are
-bit-identical on all ranks; rank 0 saves {strategy: (parameters after each update, agreed)} to OUT.
+The data are the 2-rank workers' (loop_update, arpo_update, t2po_update) with more groups, made into
+training samples by each script's own `training_samples` (t2po's: fixed samples) and trained by its
+`update` with the same np.random.Generator on every rank (update permutes the global sample list).
+float64, plain SGD for loop and arpo (a wrongly scaled gradient shows), AdamW for t2po as its worker.
+After each update every rank gathers the full parameters (FSDP2: an all-gather) and rank 0 records
+whether they are bit-identical on all ranks; rank 0 saves {strategy: (parameters after each update,
+agreed)} to OUT.
 `train(script, None)` runs the same functions in one process on every group (the test's reference).
 Usage: torchrun --nproc-per-node 8 eight_ranks.py SCRIPT OUT."""
 
 import dataclasses
-import random
 import sys
 
 import loop_update
@@ -35,7 +37,7 @@ def loop_returns(n: int, iteration: int) -> list[list[float]]:
             for g in range(n)]
 
 
-def t2po_groups(n: int, iteration: int) -> list[list[t2po.Turn]]:
+def t2po_groups(n: int, iteration: int) -> list[list[t2po.TrainingSample]]:
     """t2po_update.fixed_groups for n groups: 2-4 turn samples each, a forced token in every second."""
     g = torch.Generator().manual_seed(100 * iteration + n)
     groups = []
@@ -44,39 +46,38 @@ def t2po_groups(n: int, iteration: int) -> list[list[t2po.Turn]]:
         for i in range(2 + group % 3):
             prompt = torch.randint(100, 5000, (3 + i,), generator=g).tolist()
             response = torch.randint(100, 5000, (2 + (i * 3 + group) % 4,), generator=g).tolist()
-            samples.append(t2po.Turn(
-                prompt_ids=prompt, response_ids=response,
-                action_mask=[0 if (i == 1 and j == 0) else 1 for j in range(len(response))],
-                advantage=(-1.0) ** i * (0.5 + 0.25 * (group % 4))))
+            advantage = (-1.0) ** i * (0.5 + 0.25 * (group % 4))
+            samples.append(t2po.TrainingSample(
+                (group, i), prompt, response, [0 if (i == 1 and j == 0) else 1 for j in range(len(response))],
+                [advantage] * len(response)))
         groups.append(samples)
     return groups
 
 
 def update(script: str, model, policy, optimizer, tokenizer, groups: list[int], iteration: int) -> None:
-    """One update of `script` on the task groups `groups` (this rank's share), as its main() does."""
+    """One update of `script` on the task groups `groups` (this rank's share), as its main() does: the
+    script's training samples, then its update with the same generator on every rank."""
+    rng = np.random.default_rng(iteration)
     if script == "loop":
         loop_update.RETURNS = {iteration: loop_returns(GROUPS[iteration], iteration)}
         rollouts = [r for g in groups for r in task_rollouts(iteration, g, len(tokenizer))]
         args = loop_update.ARGS
-        advantages = loop.group_advantages(rollouts, args.std_normalize)
-        keep = loop.keep_mask(advantages, args.adv_threshold)
-        kept = [r for r, k in zip(rollouts, keep, strict=True) if k]
-        kept_adv = [a for a, k in zip(advantages, keep, strict=True) if k]
-        loop.update(policy, optimizer, kept, kept_adv, tokenizer.pad_token_id, args,
-                    torch.Generator().manual_seed(iteration))
+        samples = loop.training_samples(rollouts, args)  # leave-one-out advantage, the |A| filter
+        loop.update(policy, optimizer, samples, args, rng)
     elif script == "arpo":
-        batch = batch_for(10 + iteration, groups, len(tokenizer), tokenizer.pad_token_id)
+        samples = batch_for(10 + iteration, groups, len(tokenizer))  # arpo.training_samples, hard attribution
         # share_prefixes off here: how rows are dealt to ranks changes which rows pack together, a
-        # rounding that Adam's first step amplifies to ~1e-9; packing is tested in test_shared_prefixes
-        args = arpo.Args(micro_batch_size=2, minibatches=1, lr=0.5, attribution="hard",
+        # rounding that Adam's first step amplifies to ~1e-9; packing is tested in test_shared_prefixes.
+        # One minibatch (--minibatches 1 before 1e3f13f): 36 responses at most, --minibatch-size 256
+        args = arpo.Args(micro_batch_size=2, minibatch_size=256, lr=0.5, attribution="hard",
                          max_grad_norm=1e9, share_prefixes=False)
-        arpo.update(policy, optimizer, batch, args, random.Random(iteration))
+        arpo.update(policy, optimizer, samples, args, rng)
     else:
         everything = t2po_groups(GROUPS[iteration], iteration)
         samples = [dataclasses.replace(s) for g in groups for s in everything[g]]
         args = t2po.Args(minibatch_size=256, micro_batch_size=2, lr=1e-3, clip_eps=0.2, max_grad_norm=1.0,
                          share_prefixes=False)  # as arpo's, above
-        t2po.update(policy, optimizer, samples, args, np.random.default_rng(iteration))
+        t2po.update(policy, optimizer, samples, args, rng)
 
 
 def train(script: str, strategy: str | None) -> tuple[list[torch.Tensor], list[bool]]:
