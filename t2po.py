@@ -607,11 +607,13 @@ def build_batch(samples: list[TrainingSample], device=None) -> dict[str, torch.T
     """The distinct samples' prompt + response, right-padded: input_ids, attention_mask (U, T) and
     targets (U, T-1), 1 where token t+1 was sampled; rows (B,): each sample's row among them; per
     sample action_mask and advantages (B, T-1), aligned with log-probs (logp[:, t] scores t+1)."""
-    row_of: dict[tuple, int] = {}
+    row_of: dict[tuple, int] = {}  # a distinct sample's row: the order of first appearance
+    unique = []
     for s in samples:
-        row_of.setdefault(sample_tokens(s), len(row_of))
+        if sample_tokens(s) not in row_of:
+            row_of[sample_tokens(s)] = len(unique)
+            unique.append(s)
     rows = [row_of[sample_tokens(s)] for s in samples]
-    unique = list({sample_tokens(s): s for s in reversed(samples)}.values())[::-1]  # first of each
     seqs = [s.prompt_ids + s.response_ids for s in unique]
     targets = [[0] * len(s.prompt_ids) + s.action_mask for s in unique]
     advantages = [[0.0] * len(s.prompt_ids) + s.advantages for s in samples]
