@@ -58,8 +58,9 @@ def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> N
             "--seed", str(saved["seed"]), *flags.split()]
     args = run.parse(t2po.Args, argv, t2po.PRESETS, t2po.check_args, overridden_by={"epochs": "steps"})
     envs = t2po.build_envs(args)
-    train_tasks, my_groups, pool = envs.train_tasks, envs.my_groups, envs.pool
-    r = run.setup(args, desc="bench")
+    # t2po.py since 1e3f13f (one skeleton: training_rollouts, training_samples), or a baseline before it
+    skeleton = hasattr(t2po, "training_samples")
+    r = run.setup(args) if skeleton else run.setup(args, desc="bench")
     times = {"prefill_s": 0.0, "decode_s": 0.0}
     model = r.generator.model
     forward = model.forward
@@ -75,18 +76,25 @@ def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> N
     step = 1  # the first RL step after the cold start's checkpoint
     t0 = time.perf_counter()
     model.forward = timed_forward
-    picks = t2po.step_rng(args.seed, step).choice(len(train_tasks), args.tasks_per_step, replace=False)
-    ids = [g * args.group_size + j for g in my_groups for j in range(args.group_size)]
-    groups = [i // args.group_size for i in ids]
-    episodes, stats = t2po.rollout(r.generator, r.tokenizer, pool, [train_tasks[picks[g]] for g in groups],
-                                   groups, args, step=step, train=True, temperature=args.temperature,
-                                   keys=ids)
+    if skeleton:
+        episodes = t2po.training_rollouts(r, envs, args, step)
+    else:  # the step as t2po.train_step played it before 1e3f13f
+        picks = t2po.step_rng(args.seed, step).choice(len(envs.train_tasks), args.tasks_per_step,
+                                                      replace=False)
+        ids = [g * args.group_size + j for g in envs.my_groups for j in range(args.group_size)]
+        groups = [i // args.group_size for i in ids]
+        episodes, _ = t2po.rollout(r.generator, r.tokenizer, envs.pool,
+                                   [envs.train_tasks[picks[g]] for g in groups], groups, args, step=step,
+                                   train=True, temperature=args.temperature, keys=ids)
     del model.forward
     times["rollout_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight, args.std_normalize,
-                                       args.step_similarity)
-    samples = t2po.turn_samples(episodes, advantages)
+    if skeleton:
+        samples = t2po.training_samples(episodes, args)
+    else:
+        advantages = t2po.gigpo_advantages(episodes, args.gamma, args.step_advantage_weight,
+                                           args.std_normalize, args.step_similarity)
+        samples = t2po.turn_samples(episodes, advantages)
     result = t2po.update(r.policy, r.optimizer, samples, args, t2po.step_rng(args.seed, step),
                          r.reference)
     r.generator.update_weights(r.model)
@@ -99,7 +107,8 @@ def child(code: str, run_dir: str, threads: int, out: str, flags: str = "") -> N
     distinct = len({(tuple(s.prompt_ids), tuple(s.response_ids)) for s in samples})
     json.dump({**times, "responses_sha256": responses, "episodes": len(episodes), "samples": len(samples),
                "distinct_samples": distinct, "delta_norm": float(delta.norm()),
-               "generated_tokens": int(stats["tokens"]), "loss": result["loss"],
+               "generated_tokens": sum(len(t.response_ids) for ep in episodes for t in ep.turns),
+               "loss": result["loss"],
                "update_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)},
               open(out, "w"))
     shutil.rmtree(work)
