@@ -45,11 +45,11 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "studies"))  # the one-off studies it builds on
@@ -113,10 +113,13 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
                                       == o.ids[:o.think_tokens]))
         return outs
 
-    def rollout(*a, **kw):
-        episodes, stats = real_rollout(*a, **kw)
-        kept_stats.update(stats)
-        return episodes, stats
+    def rollout(*a, **kw):  # the kept turns' counters (the run's own), summed over its training episodes
+        episodes = real_rollout(*a, **kw)
+        if kw.get("train"):
+            for row in map(t2po.episode_row, episodes):
+                for key in ("turns", "tti_interventions", "tti_wasted_tokens", "tds_resamples"):
+                    kept_stats[key] = kept_stats.get(key, 0) + row[key]
+        return episodes
 
     t2po.generate_turn, t2po.rollout = generate_turn, rollout
     try:
@@ -161,9 +164,9 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
 # ARPO
 
 
-def arpo_update(model, batch_of, args, attribution: str, loss_agg: str) -> tuple[dict, dict]:
-    """One arpo.update from the current weights, fresh AdamW: (Δθ, unclipped gradient) per parameter; the
-    weights are put back."""
+def arpo_update(model, samples_of, args, attribution: str, loss_agg: str) -> tuple[dict, dict]:
+    """One arpo.update from the current weights, fresh AdamW, every response in one minibatch (one optimizer
+    step): (Δθ, unclipped gradient) per parameter; the weights are put back."""
     import arpo
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -176,10 +179,12 @@ def arpo_update(model, batch_of, args, attribution: str, loss_agg: str) -> tuple
         return real_clip(parameters, *a, **kw)
 
     torch.nn.utils.clip_grad_norm_ = clip
-    run_args = dataclasses.replace(args, attribution=attribution, loss_agg=loss_agg)
+    samples = samples_of(attribution)
+    run_args = dataclasses.replace(args, attribution=attribution, loss_agg=loss_agg,
+                                   minibatch_size=max(1, len(samples)))
     model.train()
     try:
-        arpo.update(model, optimizer, batch_of(attribution), run_args, random.Random(args.seed))
+        arpo.update(model, optimizer, samples, run_args, np.random.default_rng(args.seed))
     finally:
         torch.nn.utils.clip_grad_norm_ = real_clip
     delta = {n: p.detach() - before[n] for n, p in model.named_parameters()}
@@ -212,13 +217,13 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:questions]
-    prompts = [arpo.build_prompt(tokenizer, *env.reset(t)) for t in tasks]
     decisions: list[dict] = []
     real_rollout, wrap = arpo.adaptive_rollout, record_decisions(decisions, args.branch_k, len(tokenizer))
     arpo.adaptive_rollout = lambda *a, generate_segments, **kw: real_rollout(
         *a, generate_segments=wrap(generate_segments), **kw)
-    try:
-        rollouts = arpo.rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed))
+    try:  # the questions as one training step plays them (step 1's seeds and fork draws), each scored
+        rollouts = arpo.play(SimpleNamespace(generator=generator, tokenizer=tokenizer), env, tasks,
+                             list(range(len(tasks))), args, 1, train=True)
     finally:
         arpo.adaptive_rollout = real_rollout
     calls_run = sum(r.tool_calls[t] - r.shared_calls[t] for r in rollouts for t in arpo.TOOL_TAGS)
@@ -232,13 +237,12 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
         out[est] = {"dH_p10_p50_p90": np.quantile(dh, [0.1, 0.5, 0.9]).tolist() if len(dh) else [],
                     "fork_probability_per_tool_result": float(p.mean()) if len(p) else 0.0}
 
-    rewards, _ = arpo.score_rollouts(env, tasks, rollouts, tokenizer)
+    rewards = [r.reward for r in rollouts]
     out["reward_mean"] = float(np.mean(rewards))
     out["shared_prefix_tokens"] = sum(r.fork_point for r in rollouts if r.parent is not None)
 
-    def batch_of(attribution: str) -> dict:
-        advantages = arpo.batch_advantages(rollouts, rewards, attribution)
-        return arpo.build_batch(prompts, rollouts, advantages, tokenizer.pad_token_id)
+    def samples_of(attribution: str) -> list:  # fresh TrainingSamples (the update stores pi_old on them)
+        return arpo.training_samples(rollouts, dataclasses.replace(args, attribution=attribution))
 
     soft_adv, hard_adv = (arpo.batch_advantages(rollouts, rewards, a) for a in ("soft", "hard"))
     out["tokens_hard_advantage_differs"] = sum(
@@ -256,10 +260,10 @@ def arpo_mechanisms(questions: int, threads: int, root: str) -> dict:
 
     # soft with each aggregation kept; each hard update compared, then freed (a copy of the model each)
     aggregations = ("token-mean", "seq-mean-token-mean")
-    soft = {agg: arpo_update(model, batch_of, args, "soft", agg) for agg in aggregations}
+    soft = {agg: arpo_update(model, samples_of, args, "soft", agg) for agg in aggregations}
     out["update"] = {"lr": args.lr}
     for agg in aggregations:  # attribution alone, under one aggregation
-        hard = arpo_update(model, batch_of, args, "hard", agg)
+        hard = arpo_update(model, samples_of, args, "hard", agg)
         out["update"][f"hard_vs_soft_under_{agg}"] = compare(hard, soft[agg])
         if agg == "seq-mean-token-mean":  # what the flag changes: attribution and (auto) aggregation
             out["update"]["flag_hard_vs_soft"] = compare(hard, soft["token-mean"])

@@ -17,7 +17,6 @@ actually made (under the estimator it ran with, `--entropy`).
 import argparse
 import json
 import os
-import random
 import sys
 from types import SimpleNamespace
 
@@ -42,7 +41,7 @@ def cold_start_model(args: arpo.Args, folder: str) -> None:
     model, tokenizer = load_policy(args.model)
     no_engine = SimpleNamespace(update_weights=lambda model: None)  # the model is saved, not sampled
     arpo.cold_start(SimpleNamespace(model=model, policy=model, tokenizer=tokenizer, generator=no_engine,
-                                    device="cpu"), envs.env, envs.train_tasks, args)
+                                    device="cpu"), envs, args)
     model.save_pretrained(folder + ".tmp")
     tokenizer.save_pretrained(folder + ".tmp")
     os.replace(folder + ".tmp", folder)
@@ -99,13 +98,15 @@ def main() -> None:
     model, tokenizer = load_policy(folder)
     generator = KeepExactEntropies(make_generator(args.backend, model, tokenizer, folder))
     tasks = env.tasks("train")[:ours.questions]
-    prompts = [arpo.build_prompt(tokenizer, *env.reset(t)) for t in tasks]
     decisions: list[dict] = []
     real_rollout, wrap = arpo.adaptive_rollout, record_decisions(decisions, args.branch_k, len(tokenizer))
     arpo.adaptive_rollout = lambda *a, generate_segments, **kw: real_rollout(
         *a, generate_segments=wrap(generate_segments), **kw)
-    rollouts = arpo.rollout(generator, tokenizer, env, prompts, args, random.Random(args.seed))
-    arpo.adaptive_rollout = real_rollout
+    try:  # the questions as one training step plays them (step 1's seeds and fork draws)
+        rollouts = arpo.play(SimpleNamespace(generator=generator, tokenizer=tokenizer), env, tasks,
+                             list(range(len(tasks))), args, 1, train=True)
+    finally:
+        arpo.adaptive_rollout = real_rollout
     forks = sum(r.parent is not None for r in rollouts)
     # the recorder's dH under the run's estimator is the rollout's own (a fork starts with an empty list)
     own = sorted(d for r in rollouts for d in r.delta_h)

@@ -12,9 +12,10 @@ Now (t2po.tds_phis): M of turns k−1 and k on one min–max scale, exact zeros 
 
 Default: the default run's setting (TextWorld coin collector level 2, `python t2po.py`'s preset), its RFT
 (4 expert episodes, 2 SFT epochs), then training rollouts (T 0.7, TTI on, B_max 1) of --tasks tasks x
---group-size episodes. For every turn k > 0 it records both Γ's, whether the turn's action repeats the
-previous turn's, and prints how many turns each definition would resample, how many of those repeat, and
-how well each Γ separates repeats from the other turns (see `summary`).
+--group-size episodes: step 1 as t2po.training_rollouts plays it (its tasks, its seeds). For every turn
+k > 0 it records both Γ's, whether the turn's action repeats the previous turn's, and prints how many turns
+each definition would resample, how many of those repeat, and how well each Γ separates repeats from the
+other turns (see `summary`).
 """
 
 import argparse
@@ -80,14 +81,15 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
     argv = ["--tds-max-try", "1", "--group-size", str(group_size), "--tasks-per-step", str(n_tasks),
             *t2po_flags]  # t2po_flags: e.g. other TTI / TDS constants than the default run's
     args = run.parse(t2po.Args, argv, t2po.PRESETS, t2po.check_args)  # the default run's setting
-    env, options, train_tasks, _ = run.make_env(args)
+    env, options, train_tasks, eval_tasks = run.make_env(args)
+    pool = EnvPool(args.env, n_tasks * group_size, **options)  # the step's episodes, as build_envs sizes it
+    envs = t2po.Envs(env, options, train_tasks, eval_tasks, pool, None, None)
     model, tokenizer = load_policy(DEFAULT_MODEL)
     generator = make_generator("hf", model, tokenizer, resolve_model_path(DEFAULT_MODEL))
-    rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     r = run.Run(model=model, policy=model, tokenizer=tokenizer, generator=generator, optimizer=None,
                 reference=None, logger=None, start_step=0, extra={}, device="cpu")
-    t2po.cold_start(r, env, options, train_tasks, args, rng)  # RFT as main() runs it for the default run
+    t2po.cold_start(r, envs, args)  # RFT as main() runs it for the default run
 
     records = []
     decide = t2po.tds_should_resample
@@ -103,12 +105,10 @@ def real_turns(n_tasks: int, group_size: int, threads: int, t2po_flags: tuple[st
         return decide(prev, cur, a)
 
     t2po.tds_should_resample = recording_redo
-    tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), n_tasks, replace=False)]
-    episodes = [t for t in tasks for _ in range(group_size)]
-    pool = EnvPool(args.env, len(episodes), **options)
-    t2po.rollout(generator, tokenizer, pool, episodes, [i // group_size for i in range(len(episodes))], args,
-                 step=1, train=True, temperature=args.temperature)  # the first RL step
-    t2po.tds_should_resample = decide
+    try:
+        t2po.training_rollouts(r, envs, args, 1)  # the first RL step: its tasks (step_tasks), its seeds
+    finally:
+        t2po.tds_should_resample = decide
     return dict(eta=args.tds_eta, records=records)
 
 
