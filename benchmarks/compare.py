@@ -294,8 +294,8 @@ def draw(algo: str, runs: dict[str, dict[int, list[dict]]], out: str, footer: st
     import matplotlib.pyplot as plt
 
     arms = [a for a in ARMS[algo] if a in runs]
-    series = lambda rows, key: probe_series(rows) if key == "probe/success_rate" else train_series(
-        rows, lambda r: r.get(key))  # probe/: from step 0 (the cold-start row) on
+    def series(rows, key):  # probe/: from step 0 (the cold-start row) on
+        return probe_series(rows) if key == "probe/success_rate" else train_series(rows, lambda r: r.get(key))
     keys = [k for k in CURVES[algo]  # a curve no run logged (the probe, off in make demo): no panel
             if any(series(rows, k)[0] for arm in arms for rows in runs[arm].values())]
     fig, axes = plt.subplots(1, len(keys) + 1, figsize=(5 * (len(keys) + 1), 4), squeeze=False)

@@ -18,7 +18,10 @@ DISTINCT = 13  # 5 6 7 8 9 10 11 12 13 14 15, then 20 21: the tokens of the fore
 
 def batch(rows, left=False):
     width = max(map(len, rows))
-    pad = lambda r, v: [v] * (width - len(r)) + r if left else r + [v] * (width - len(r))
+
+    def pad(r, v):
+        return [v] * (width - len(r)) + r if left else r + [v] * (width - len(r))
+
     return (torch.tensor([pad(r, 0) for r in rows]),  # (B, T)
             torch.tensor([pad([1] * len(r), 0) for r in rows]))  # (B, T)
 
@@ -83,7 +86,10 @@ def test_packed_log_probs_and_gradients_equal_each_row_alone(left, budget, lora)
     expected = torch.autograd.grad(loss, params)
     logp, entropy = token_logprobs(model, ids, mask, temperature=0.7, with_entropy=True,
                                    share_prefixes=True, max_row_tokens=budget, chunk_size=4)
-    aligned = lambda w, r: w[:, :len(r) - 1] if not left else w[:, width - len(r):]  # a row's targets
+
+    def aligned(w, r):  # a row's targets
+        return w[:, :len(r) - 1] if not left else w[:, width - len(r):]
+
     packed_loss = sum((aligned(logp[b:b + 1], r) * weights[b:b + 1, :len(r) - 1]).sum()
                       for b, r in enumerate(ROWS))
     got = torch.autograd.grad(packed_loss, params)
