@@ -829,7 +829,8 @@ def main(argv: list[str] | None = None) -> dict:
         curve = {} if args.cold_start else probe(r, envs, args, 0)  # else after the cold start
         r.logger.log({"step": 0, **r.extra["base"], **curve})
     if args.cold_start and "cold_start" not in r.extra:
-        if log := cold_start(r, envs, args):  # {}: nothing to learn from
+        log = cold_start(r, envs, args)  # {}: nothing to learn from, the policy as loaded
+        if log or "base" not in r.extra:  # evaluated unless the base evaluation already says it
             run.cold_started_reference(r, args)  # --kl-coef: the KL is to the policy RL starts from
             t0 = time.time()
             r.extra["cold_start"] = held_out(r, envs, args, "cold_start", 0)

@@ -192,3 +192,18 @@ def test_a_minibatch_of_zero_advantages_is_not_computed_but_adamw_still_steps():
     out = t2po.update(model, optimizer, zero, args, np.random.default_rng(1))
     assert calls == [] and out["gradient_steps"] == 1
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("base_eval", [True, False])
+def test_a_cold_start_that_learned_nothing_is_evaluated_only_when_nothing_else_precedes_rl(base_eval,
+                                                                                        tmp_path):
+    # the toy env has no expert and the tiny model never wins: RFT keeps no sample, the policy is
+    # the one loaded; with the base evaluation it would say the same again, without it nothing would
+    # precede RL (t2po's default skips the base evaluation)
+    flags = ["--base-eval"] if base_eval else ["--no-base-eval"]
+    final = t2po.main(["--env", "toy", "--model", "tiny-random", "--cold-start-episodes", "2",
+                       "--group-size", "2", "--tasks-per-step", "1", "--max-turns", "1",
+                       "--max-new-tokens", "4", "--tti-chunk", "4", "--eval-tasks", "2", "--steps", "1",
+                       "--threads", "1", "--out", str(tmp_path / "run"), *flags])
+    assert ("base" in final) == base_eval
+    assert ("cold_start" in final) == (not base_eval)
