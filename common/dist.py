@@ -245,17 +245,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def full_weights(model: nn.Module):
     """Yield (base-model name, full weight with LoRA merged) one parameter at a time, for pushing the policy
-    into an inference engine.
+    into an inference engine: at most one full parameter (plus its LoRA delta) exists at a time besides the
+    model, never a second copy of the whole model.
 
-    Unsharded models: common.models.merged_state_dict. FSDP2: each tensor is all-gathered only when the
-    consumer asks for it, so at most one full parameter (plus a LoRA delta) exists at a time, never the
-    whole model. Every rank must consume the whole iterator in the same order (each step is a collective).
+    FSDP2: each tensor is all-gathered only when the consumer asks for it, so every rank must consume the
+    whole iterator in the same order (each step is a collective). Equal to common.models.merged_state_dict.
     """
-    from common.models import _is_peft, merged_state_dict, unwrap
+    from common.models import _is_peft, unwrap
 
-    if not is_sharded(model):
-        yield from merged_state_dict(model).items()
-        return
     model = unwrap(model)
     base, lora = model, {}
     if _is_peft(model):
@@ -263,6 +260,7 @@ def full_weights(model: nn.Module):
 
         base = model.get_base_model()
         lora = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    sharded = is_sharded(model)
     for key, value in base.state_dict().items():  # FSDP2: DTensor shards, nothing gathered yet
         if "lora_" in key:
             continue
@@ -271,8 +269,13 @@ def full_weights(model: nn.Module):
         if key.endswith(".base_layer.weight") and module is not None and not (module.merged or
                                                                             module.disable_adapters):
             for adapter in module.active_adapters:
-                if adapter in module.lora_A:  # W + B A * alpha/r (peft's get_delta_weight, nn.Linear case)
+                if adapter not in module.lora_A:
+                    continue
+                if sharded:  # W + B A * alpha/r (peft's get_delta_weight, nn.Linear case)
                     b_ = full_tensor(module.lora_B[adapter].weight)  # (out, r)
                     a_ = full_tensor(module.lora_A[adapter].weight)  # (r, in)
-                    weight = weight + (b_ @ a_ * module.scaling[adapter]).to(weight.dtype)
+                    delta = b_ @ a_ * module.scaling[adapter]
+                else:
+                    delta = module.get_delta_weight(adapter)
+                weight = weight + delta.to(weight.dtype)
         yield key.replace(".base_layer.", "."), weight
