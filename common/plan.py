@@ -9,7 +9,8 @@ What one rank holds (W ranks, P parameters of which T are trained):
 - rollout (vLLM colocated on the same GPU): `gpu_memory_utilization` of the card for its own bf16
   weights and the KV cache, 2·layers·kv_heads·head_dim·2 bytes per token; it sleeps while training runs.
   With --rollout-tp N the N ranks of a group are one tensor-parallel engine: each holds 1/N of its
-  weights and of its KV heads (at least one head);
+  weights and of its KV heads (at least one head). The share must leave a KV cache for one sequence of
+  the longest length, or vLLM does not start (the plan then does not fit);
 - the weight push after each update (common.dist.full_weights into the awake engine): the resident
   training state, the engine's share, and one full parameter at a time, gathered from its shards, with
   its LoRA delta (never a second copy of the model).
@@ -298,6 +299,15 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     fits = peak <= 0.9 * gpu_gib * GiB
     advice = ("use more ranks (FSDP2), --lora-rank, bf16, gradient checkpointing, a smaller micro-batch, "
               "shorter sequences or a smaller vLLM share")
+    # vLLM refuses to start when its share leaves no KV cache for one sequence of the longest length
+    engine_starts = not vllm or out["kv_cache"] >= kv_token * max_seq_len
+    if not engine_starts:
+        lines.append(f"vLLM cannot start: its share holds its weights ({_gib(out['engine_weights'])}) and "
+                     f"{_gib(out['kv_cache'])} of KV cache, less than one {max_seq_len}-token sequence "
+                     f"({_gib(kv_token * max_seq_len)})")
+        advice = ("one engine over several ranks (--rollout-tp N holds 1/N of the weights on each) or a "
+                  "larger vLLM share")
+    fits = fits and engine_starts
     lines.append(f"PEAK {_gib(peak)} of {gpu_gib:g} GiB: "
                  + ("fits (with 10% kept free)" if fits else f"does NOT fit: {advice}"))
     out.update(peak=peak, fits=fits, lines=lines)

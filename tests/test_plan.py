@@ -201,3 +201,17 @@ def test_rollout_tp_that_the_model_or_the_ranks_cannot_split_is_refused():
     # 16 ranks of an engine and 8 KV heads: each rank holds one, a copy
     assert memory_plan("Qwen/Qwen3-8B", 16, 0, 1024, 1, "vllm", rollout_tp=16)["kv_bytes_per_token"] == \
         2 * 36 * 1 * 128 * 4
+
+
+def test_an_engine_whose_weights_leave_no_cache_for_one_sequence_does_not_fit():
+    """32B with one tensor-parallel-1 engine per rank: FSDP2 makes training fit, but the engine's 61 GiB of
+    bf16 weights exceed its 40 GiB share, so vLLM could not start: the plan must not say it fits."""
+    kwargs = dict(dtype="bfloat16", vllm_dtype="bfloat16", gradient_checkpointing=True, vllm_sleeps=True,
+                  strategy="fsdp2")
+    alone = memory_plan("Qwen/Qwen2.5-32B-Instruct", 8, 16, 32768, 1, "vllm", **kwargs)
+    assert alone["peak"] < 0.9 * 80 * GiB and alone["kv_cache"] == 0 and not alone["fits"]
+    assert any(line.startswith("vLLM cannot start: its share holds its weights (61.03 GiB)")
+               for line in alone["lines"])
+    assert "does NOT fit: one engine over several ranks (--rollout-tp N" in alone["lines"][-1]
+    # --rollout-tp 2: 30.5 GiB of weights per rank leave 9.5 GiB, 2.4 sequences of 32768 tokens
+    assert memory_plan("Qwen/Qwen2.5-32B-Instruct", 8, 16, 32768, 1, "vllm", rollout_tp=2, **kwargs)["fits"]
