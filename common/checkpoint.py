@@ -247,7 +247,10 @@ def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     create its state with a zero-lr step, which changes Adam's step count."""
     if not dist.is_sharded(model):
         return None, _by_name(model, optimizer, optimizer.state_dict())
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     if _is_peft(unwrap(model)):  # only the adapter is saved: gather just it, one tensor at a time
         weights = {}

@@ -83,7 +83,10 @@ def fuzzy_score(a: str | tuple, b: str | tuple) -> int:
 def type_reward(product: dict, goal: dict) -> float:
     """r_type: 1 if the bought product is the goal's kind of thing, else 0.5 / 0.1 / 0."""
     query_match = product["query"] == goal["query"]
-    path = lambda p: {x.strip() for x in p["product_category"].split("›")}
+
+    def path(p: dict) -> set[str]:
+        return {x.strip() for x in p["product_category"].split("›")}
+
     category_match = len(path(product) & path(goal)) >= 2
     desired = goal["name"].lower().split()  # the goal type's nouns (WebShop: spaCy NOUN/PROPN tokens)
     title_words = set(re.findall(r"[a-z0-9-]+", product["Title"].lower()))

@@ -224,7 +224,10 @@ def test_same_seed_same_game_and_concurrent_generation(tmp_path):
     other = generate_game("coin_collector", 1, 1)
     assert same_story(expected, same)
     assert not same_story(expected, other)
-    load = lambda path: textworld.Game.load(path.replace(".z8", ".json"))
+
+    def load(path):
+        return textworld.Game.load(path.replace(".z8", ".json"))
+
     assert load(expected) == load(same) and load(expected) != load(other)
 
 
