@@ -783,6 +783,21 @@ def rollout_metrics(rollouts: list[Rollout], samples: list[TrainingSample], args
     return response_metrics(rows, args.tasks_per_step)
 
 
+def mechanism_summary(lines: list[dict], args: Args) -> str:
+    """The run's last line on ARPO's own mechanisms, over the RL steps this process ran: the forks
+    after tool results, the entropy change dH that drives them, and the tool calls run."""
+    steps = [line for line in lines if "rollouts" in line]
+    if not steps:
+        return "ARPO: no RL step ran"
+    forks = np.mean([line["forks_per_question"] for line in steps])
+    calls = np.mean([line["tool_calls/executed_per_question"] for line in steps])
+    dh = [line["delta_h/p50"] for line in steps if "delta_h/p50" in line]
+    median = f"{np.median(dh):+.3f}" if dh else "none"
+    return (f"ARPO, {len(steps)} steps ({args.rollout} rollout): {forks:.2f} forked responses and "
+            f"{calls:.2f} tool calls run per question (means over steps); dH at tool results, "
+            f"median of the steps' medians: {median}")
+
+
 def evaluate(r: run.Run, pool, tasks: list, args: Args, step: int, stage: str,
              prefix: str = "eval/") -> dict:
     """Greedy, one response per question (no forks), after `step` updates; transcripts (the
@@ -979,6 +994,7 @@ def main(argv: list[str] | None = None) -> dict:
             r.logger.log({"step": 0, **log, **probe(r, envs, args, 0), **held})
             run.save(r, args, 0)
     line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
+    step_lines = []  # this process's steps, for the mechanisms' summary
     for step in range(r.start_step + 1, args.steps + 1):
         t0 = time.time()
         # 1. rollout: the step's tasks, --group-size rollouts each (this rank's groups)
@@ -1000,6 +1016,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             line.update(held_out(r, envs, args, f"step_{step}", step))
         r.logger.log(line)
+        step_lines.append(line)
         stop = overruns(args, step, t_begin, step_times, t_eval)
         if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
@@ -1012,6 +1029,7 @@ def main(argv: list[str] | None = None) -> dict:
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
     run.report(args, r.extra, len(envs.eval_tasks), REPORTED, t_begin)
+    run.say(mechanism_summary(step_lines, args))
     dist.cleanup()
     return {**line, **r.extra}
 

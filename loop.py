@@ -77,9 +77,12 @@ class Args(run.RunArgs):
 # Per-env values of flags the command line leaves alone (one literal, never updated); appworld: the
 # paper's and ml-loop's (docs/loop.md marks ours)
 PRESETS: dict[str, dict] = {
-    # TextWorld coin collector level 2 (walk to the next room, take the coin): the CPU default
-    "textworld": dict(env_options='{"level": 2, "train_games": 16, "eval_games": 8}', max_turns=3,
-                      max_new_tokens=6),
+    # TextWorld coin collector level 4, the CPU default: 32 held-out games whose 9 walkthroughs
+    # never occur in training (t2po.py's split); 16 expert episodes, then 10 LOOP steps of 8 x 4
+    "textworld": dict(
+        env_options='{"level": 4, "train_games": 16, "eval_games": 32, "holdout": "walkthrough"}',
+        max_turns=4, max_new_tokens=6, tasks_per_step=8, group_size=4, steps=10,
+        cold_start_episodes=16, eval_tasks=32, base_eval=False),
     "appworld": dict(model="Qwen/Qwen2.5-32B-Instruct", lora_rank=16, lora_alpha=32, lr=5e-5,
                      max_turns=40, eval_max_turns=50, max_new_tokens=1500, max_env_tokens=3000,
                      max_seq_len=32768, group_size=6, tasks_per_step=40, minibatch_size=32,
@@ -94,6 +97,8 @@ def check_args(args: Args) -> None:
     if args.max_seq_len <= args.max_new_tokens:
         raise cli.bad_flag("loop.py", "max_seq_len", args.max_seq_len, "must be > --max-new-tokens "
                            f"({args.max_new_tokens}): an episode holds its prompt and a turn")
+    if not (args.base_eval or args.cold_start):
+        raise SystemExit("loop.py: --no-base-eval needs the cold start (else nothing precedes RL)")
 
 
 SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with exactly one action "
@@ -627,6 +632,25 @@ def rollout_metrics(rollouts: list[Rollout], samples: list[TrainingSample], args
     return out
 
 
+def mechanism_summary(lines: list[dict], args: Args) -> str:
+    """The run's last line on LOOP's own mechanisms, over the RL steps this process ran: the
+    groups the |A| filter left a gradient, the per-token clip, the KL monitor."""
+    steps = [line for line in lines if "rollouts" in line]
+    if not steps:
+        return "LOOP: no RL step ran"
+    rollouts = sum(line["rollouts"] for line in steps)
+    dropped = sum(round(line["filtered_fraction"] * line["rollouts"]) for line in steps)
+    groups = sum(line["groups_with_signal"] for line in steps)
+    trained = [line for line in steps if line["gradient_steps"] > 0]
+    clip = np.mean([line["clip_fraction"] for line in trained]) if trained else 0.0
+    k1 = max((line["kl_k1"] for line in trained), default=0.0)
+    abandoned = sum(int(line["abandoned"]) for line in steps)
+    return (f"LOOP, {len(steps)} steps: {groups} of {len(steps) * args.tasks_per_step} task "
+            f"groups carried a gradient (the |A| filter dropped {dropped} of {rollouts} rollouts); "
+            f"clip fraction {clip:.3f} (mean of the {len(trained)} steps that trained); KL k1 max "
+            f"{k1:.3f}, {abandoned} updates abandoned (k1 > {args.kl_threshold:g})")
+
+
 def warn_env_errors(where: str, n_errors: int, n: int, firsts: list) -> None:
     """One console line when episodes ended by an env error (their 0 is not the policy's)."""
     first = next((e for e in firsts if e), None)
@@ -840,6 +864,7 @@ def main(argv: list[str] | None = None) -> dict:
             r.logger.log({"step": 0, **log, **probe(r, envs, args, 0), **held})
             run.save(r, args, 0)
     line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
+    step_lines = []  # this process's steps, for the mechanisms' summary
     for step in range(r.start_step + 1, args.steps + 1):
         t0 = time.time()
         # 1. rollout: the step's tasks, --group-size rollouts each (this rank's groups)
@@ -861,6 +886,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             line.update(held_out(r, envs, args, f"step_{step}", step))
         r.logger.log(line)
+        step_lines.append(line)
         stop = overruns(args, step, t_begin, step_times, t_eval)
         if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
@@ -873,6 +899,7 @@ def main(argv: list[str] | None = None) -> dict:
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
     run.report(args, r.extra, len(envs.eval_tasks), REPORTED, t_begin)
+    run.say(mechanism_summary(step_lines, args))
     dist.cleanup()
     return {**line, **r.extra}
 

@@ -848,6 +848,21 @@ def rollout_metrics(rollouts: list[Episode], samples: list[TrainingSample], args
     return {**episode_metrics(rows), "num_tokens": int(num_tokens)}
 
 
+def mechanism_summary(lines: list[dict], args: Args) -> str:
+    """The run's last line on T²PO's own mechanisms, over the RL steps this process ran: the
+    training turns TTI cut and the turns TDS resampled."""
+    steps = [line for line in lines if "rollouts" in line]
+    if not steps:
+        return "T²PO: no RL step ran"
+    turns = sum(round(line["rollouts"] * line["turns_per_episode"]) for line in steps)
+    cut = sum(round(line["tti_interventions"] * line["rollouts"] * line["turns_per_episode"])
+              for line in steps)
+    resampled = sum(int(line["tds_resamples"]) for line in steps)
+    return (f"T²PO, {len(steps)} steps: TTI cut {cut} of {turns} training turns "
+            f"({cut / max(turns, 1):.0%}); TDS resampled {resampled} turns "
+            f"(TTI {'on' if args.tti else 'off'}, TDS {'on' if args.tds else 'off'})")
+
+
 def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stage: str,
              prefix: str = "eval/") -> dict:
     """One episode per task (held-out, or the probe/ tasks), TTI on, TDS off, after `step`
@@ -1091,6 +1106,7 @@ def main(argv: list[str] | None = None) -> dict:
             r.logger.log({"step": 0, **log, **probe(r, envs, args, 0), **held})
             run.save(r, args, 0)
     line, step_times, t_rl = {"step": r.start_step}, [], time.time()  # time_s: since RL (re)started
+    step_lines = []  # this process's steps, for the mechanisms' summary
     for step in range(r.start_step + 1, args.steps + 1):
         t0 = time.time()
         # 1. rollout: the step's tasks, --group-size rollouts each (this rank's groups)
@@ -1112,6 +1128,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             line.update(held_out(r, envs, args, f"step_{step}", step))
         r.logger.log(line)
+        step_lines.append(line)
         stop = overruns(args, step, t_begin, step_times, t_eval)
         if step % args.save_every == 0 or step == args.steps or stop:
             run.save(r, args, step)
@@ -1124,6 +1141,7 @@ def main(argv: list[str] | None = None) -> dict:
     r.logger.log({"step": line["step"], **r.extra["rl"]})
     r.logger.close()
     run.report(args, r.extra, len(envs.eval_tasks), REPORTED, t_begin)
+    run.say(mechanism_summary(step_lines, args))
     dist.cleanup()
     return {**line, **r.extra}
 

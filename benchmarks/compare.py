@@ -29,7 +29,8 @@ to the cold start? Its arms are that run (`rl`: level 4 since 2026-12-04), a no-
 probe set of 8 training tasks for 4 RL steps and without it for 8. It
 adds, per arm, the held-out games won after RL minus before it (paired within each run), the share of
 seeds where that is > 0, and the same gain on the probe set; and, per run, the held-out games won per
-walkthrough (games that share one mostly win or lose together).
+walkthrough (games that share one mostly win or lose together). `loop-demo` is the same for `python loop.py`
+(arms `rl` and `lr0`, the same figures).
 """
 
 import argparse
@@ -65,8 +66,10 @@ ARMS = {
              "t1-4x4-lr5e-6-cs4-mt4-inv": ["--probe-tasks", "8", *LEVEL4, "--inadmissible-invalid"],
              # the same for 8 steps without the probe (its 9 evaluations would cost ~12 min a run)
              "t1-4x4-lr5e-6-cs4-mt4-inv-st8": [*LEVEL4, "--inadmissible-invalid", "--steps", "8"]},
+    "loop-demo": {"rl": [], "lr0": ["--lr", "0"]},  # python loop.py (its textworld preset), its control
 }
-SCRIPT = {"demo": "t2po"}  # the script an experiment runs, where it is not named after it
+SCRIPT = {"demo": "t2po", "loop-demo": "loop"}  # the script an experiment runs, if not its name
+DEFAULT_RUNS = ("demo", "loop-demo")  # a script's default run: per-walkthrough wins in the report
 
 
 def run_folder(root: str, algo: str, arm: str, seed: int) -> str:
@@ -198,8 +201,10 @@ METRICS["demo"] = HELD_OUT[:2] + [
     ("share of seeds where RL won more held-out games", rl_gained, 1),
     ("probe success (training tasks), after − before RL", probe_gain, 1),
     ("training success, mean over steps", train_mean("success_rate"), 1)]
+METRICS["loop-demo"] = METRICS["demo"]
 # algorithm -> the training metrics drawn as curves
-CURVES = {"demo": ["probe/success_rate", "success_rate"], "t2po": ["success_rate", "tokens_per_turn"],
+CURVES = {"demo": ["probe/success_rate", "success_rate"], "loop-demo": ["success_rate"],
+          "t2po": ["success_rate", "tokens_per_turn"],
           "arpo": ["reward_mean", "tool_calls/executed_per_question"],
           "loop": ["reward_mean", "success_rate"]}
 
@@ -243,11 +248,11 @@ def walkthrough_wins(folder: str) -> dict[str, list[int]]:
     return dict(sorted(wins.items()))
 
 
-def walkthrough_table(root: str, runs: dict[str, dict[int, list[dict]]]) -> str:
+def walkthrough_table(root: str, algo: str, runs: dict[str, dict[int, list[dict]]]) -> str:
     """demo: per arm and seed, the held-out games won per walkthrough, after the cold start → after RL;
     the runs that kept their transcripts (one seed per arm is committed)."""
-    cells = {(arm, seed): wins for arm in ARMS["demo"] if arm in runs for seed in sorted(runs[arm])
-             if (wins := walkthrough_wins(run_folder(root, "demo", arm, seed)))}
+    cells = {(arm, seed): wins for arm in ARMS[algo] if arm in runs for seed in sorted(runs[arm])
+             if (wins := walkthrough_wins(run_folder(root, algo, arm, seed)))}
     names = sorted({name for wins in cells.values() for name in wins})
     if not names:  # no run kept its transcripts
         return ""
@@ -367,7 +372,7 @@ def report(algos: list[str], root: str, figures: str, markdown: str | None, comm
         draw(algo, runs, png, footer)
         shown = os.path.relpath(png, ROOT) if png.startswith(ROOT + os.sep) else png  # no machine paths
         parts.append(f"### {algo}{skipped}\n\n{table(algo, runs)}\n\nFigure: {shown}")
-        if algo == "demo" and (by_walkthrough := walkthrough_table(root, runs)):
+        if algo in DEFAULT_RUNS and (by_walkthrough := walkthrough_table(root, algo, runs)):
             parts.append("Held-out games won per walkthrough, after the cold start → after RL:\n\n"
                          + by_walkthrough)
     text = "\n\n".join(parts) + "\n"

@@ -968,3 +968,17 @@ def test_stop_at_answer_is_ours_and_the_paper_preset_stops_only_at_tool_tags():
         arpo.rollout(policy, tokenizer, env, [prompt], [0], args, np.random.default_rng(0), step=1,
                      train=True)
         assert all(s == stops for s in policy.stops), argv
+
+
+def test_the_mechanisms_summary_averages_forks_calls_and_the_entropy_change_by_hand():
+    args = arpo.Args()
+    lines = [{"rollouts": 8, "forks_per_question": 1.0, "tool_calls/executed_per_question": 3.0,
+              "delta_h/p50": -0.2},
+             {"rollouts": 8, "forks_per_question": 2.0, "tool_calls/executed_per_question": 5.0,
+              "delta_h/p50": 0.4},
+             {"rollouts": 8, "forks_per_question": 0.0, "tool_calls/executed_per_question": 1.0}]
+    text = arpo.mechanism_summary(lines, args)
+    # forks (1 + 2 + 0) / 3, calls (3 + 5 + 1) / 3, the median of the two steps' medians
+    assert "3 steps (arpo rollout): 1.00 forked responses and 3.00 tool calls" in text
+    assert "median of the steps' medians: +0.100" in text
+    assert arpo.mechanism_summary([], args) == "ARPO: no RL step ran"

@@ -892,3 +892,26 @@ def test_expert_episodes_respect_max_seq_len_like_the_policys(tiny):
 
     assert [d.ids for d in loop.expert_rollouts(env, tok, [0], args(tight), eos)] == [demo.ids]
     assert loop.expert_rollouts(env, tok, [0], args(tight - 1), eos) == []
+
+
+def test_the_mechanisms_summary_counts_groups_dropped_rollouts_clip_and_kl_by_hand():
+    args = loop.Args(tasks_per_step=4, kl_threshold=20.0)
+    lines = [  # two steps of 4 groups x 4 rollouts; the second filtered whole (no update)
+        {"rollouts": 16, "filtered_fraction": 0.75, "groups_with_signal": 1, "gradient_steps": 2,
+         "clip_fraction": 0.2, "kl_k1": 1.5, "abandoned": 0.0},
+        {"rollouts": 16, "filtered_fraction": 1.0, "groups_with_signal": 0, "gradient_steps": 0,
+         "clip_fraction": 0.0, "kl_k1": 0.0, "abandoned": 0.0},
+        {"eval/success_rate": 0.5}]  # not a step: left out
+    text = loop.mechanism_summary(lines, args)
+    # groups: 1 + 0 of 2 x 4; dropped: 12 + 16 of 32; clip: the one step that trained
+    assert "2 steps: 1 of 8 task groups carried a gradient" in text
+    assert "dropped 28 of 32 rollouts" in text
+    assert "clip fraction 0.200 (mean of the 1 steps that trained)" in text
+    assert "KL k1 max 1.500, 0 updates abandoned (k1 > 20)" in text
+    assert loop.mechanism_summary([], args) == "LOOP: no RL step ran"
+
+
+def test_no_base_eval_without_the_cold_start_is_refused_before_anything_loads():
+    # the default preset skips the base evaluation: without the cold start nothing would precede RL
+    with pytest.raises(SystemExit, match="^loop.py: --no-base-eval needs the cold start"):
+        loop.main(["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--no-base-eval"])

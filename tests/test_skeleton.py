@@ -27,7 +27,7 @@ SHARED = ["TrainingSample", "sample_tokens", "build_batch", "action_logprobs", "
           "overruns", "main"]
 # each paper's own, under the same name in every script
 PER_SCRIPT = ["Args", "PRESETS", "REPORTED", "check_args", "rollout", "training_rollouts",
-              "training_samples", "policy_loss", "loss_divisor", "rollout_metrics", "evaluate",
+              "training_samples", "policy_loss", "loss_divisor", "rollout_metrics", "mechanism_summary", "evaluate",
               "demonstrations", "build_envs", "planned_sequence"]
 
 

@@ -1160,3 +1160,14 @@ def test_an_env_without_the_experts_hooks_is_refused_in_one_line_before_the_mode
         with pytest.raises(SystemExit, match=rf"^t2po.py: --env '{env}' {says}") as e:
             t2po.main(["--env", env, *flags, "--model", "tiny-random", "--out", str(tmp_path / env)])
         assert "\n" not in str(e.value.code)
+
+
+def test_the_mechanisms_summary_counts_cut_and_resampled_turns_by_hand():
+    args = t2po.Args()
+    lines = [  # 16 episodes x 4 turns: 8 of 64 turns cut; then 16 x 3: 12 of 48 cut
+        {"rollouts": 16, "turns_per_episode": 4.0, "tti_interventions": 0.125, "tds_resamples": 5},
+        {"rollouts": 16, "turns_per_episode": 3.0, "tti_interventions": 0.25, "tds_resamples": 7},
+        {"eval/success_rate": 0.5}]  # not a step: left out
+    text = t2po.mechanism_summary(lines, args)
+    assert "2 steps: TTI cut 20 of 112 training turns (18%); TDS resampled 12 turns" in text
+    assert t2po.mechanism_summary([], args) == "T²PO: no RL step ran"
