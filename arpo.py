@@ -198,6 +198,7 @@ class Rollout:
     fork_point: int = 0  # number of response tokens shared with the parent
     delta_h: list[float] = field(default_factory=list)  # dH at each tool result
     forked: list[bool] = field(default_factory=list)  # whether each of them forked
+    could_fork: list[bool] = field(default_factory=list)  # whether its question had room then
     group: int = 0  # its question's index among the step's tasks, on any rank (after scoring)
     prompt_ids: list[int] = field(default_factory=list)  # its question's prompt (after scoring)
     reward: float = 0.0  # the environment's reward for the whole response (after scoring)
@@ -211,7 +212,7 @@ def fork(parent: Rollout, parent_index: int, at: int, index: int) -> Rollout:
     child.response_ids = parent.response_ids[:at]
     child.action_mask = parent.action_mask[:at]
     child.parent, child.fork_point, child.probe = parent_index, at, False
-    child.delta_h, child.forked = [], []
+    child.delta_h, child.forked, child.could_fork = [], [], []
     child.shared_calls = dict(parent.tool_calls)  # it starts after a result: all calls so far
     return child
 
@@ -254,10 +255,11 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
                 # Entropy variation after the tool result: dH_t = H_t - H_initial over k tokens.
                 delta_h = step_entropy(seg.entropies, k, vocab_size, entropy) - r.h_initial
                 r.probe = False
-                fires = size[r.question] < group_size and branch_rule(delta_h, rng.random(), beta,
-                                                                      tau)
+                room = size[r.question] < group_size
+                fires = room and branch_rule(delta_h, rng.random(), beta, tau)
                 r.delta_h.append(delta_h)
                 r.forked.append(fires)
+                r.could_fork.append(room)
                 if fires:
                     z = min(fork_z, group_size - size[r.question])  # forks stop once M exist
                     rollouts += [fork(r, i, start, size[r.question] + j) for j in range(z)]
@@ -746,7 +748,7 @@ def response_row(r: Rollout) -> dict:
             "result_tokens": len(r.action_mask) - sum(r.action_mask),
             "calls": dict(r.tool_calls),
             "executed": sum(r.tool_calls[t] - r.shared_calls[t] for t in TOOL_TAGS),
-            "delta_h": list(r.delta_h), "forks": list(r.forked)}
+            "delta_h": list(r.delta_h), "forks": list(r.forked), "could_fork": list(r.could_fork)}
 
 
 def response_metrics(rows: list[dict], num_questions: int, prefix: str = "") -> dict:
@@ -777,10 +779,33 @@ def response_metrics(rows: list[dict], num_questions: int, prefix: str = "") -> 
 
 
 def rollout_metrics(rollouts: list[Rollout], samples: list[TrainingSample], args: Args) -> dict:
-    """The step's responses over all ranks."""
+    """The step's responses over all ranks, and whether its forks followed dH."""
     rows = [row for part in dist.all_gather_object([response_row(r) for r in rollouts])
             for row in part]
-    return response_metrics(rows, args.tasks_per_step)
+    return {**response_metrics(rows, args.tasks_per_step), **fork_metrics(rows, args)}
+
+
+def fork_metrics(rows: list[dict], args: Args) -> dict:
+    """The branch decisions a fork was possible at (its question had fewer than M responses): how
+    many, the forks made, the mean P(fork) the rule gave them, and the forks made in the step's top
+    and bottom quartile of dH (counts, so that a run's steps can be pooled)."""
+    pairs = [(d, f) for row in rows
+             for d, f, room in zip(row["delta_h"], row["forks"], row["could_fork"], strict=True)
+             if room]
+    out = {"branch/decisions": len(pairs), "branch/forks": sum(f for _, f in pairs)}
+    if not pairs:
+        return out
+    dh = np.array([d for d, _ in pairs])
+    forks = np.array([f for _, f in pairs], dtype=float)
+    low, high = np.quantile(dh, [0.25, 0.75])
+    top, bottom = dh >= high, dh <= low
+    out.update({"branch/p_fork_mean": float(np.mean([fork_probability(d, args.beta, args.tau)
+                                                     for d in dh])),
+                "branch/top_quartile_decisions": int(top.sum()),
+                "branch/top_quartile_forks": int(forks[top].sum()),
+                "branch/bottom_quartile_decisions": int(bottom.sum()),
+                "branch/bottom_quartile_forks": int(forks[bottom].sum())})
+    return out
 
 
 def mechanism_summary(lines: list[dict], args: Args) -> str:
@@ -793,9 +818,18 @@ def mechanism_summary(lines: list[dict], args: Args) -> str:
     calls = np.mean([line["tool_calls/executed_per_question"] for line in steps])
     dh = [line["delta_h/p50"] for line in steps if "delta_h/p50" in line]
     median = f"{np.median(dh):+.3f}" if dh else "none"
-    return (f"ARPO, {len(steps)} steps ({args.rollout} rollout): {forks:.2f} forked responses and "
+    text = (f"ARPO, {len(steps)} steps ({args.rollout} rollout): {forks:.2f} forked responses and "
             f"{calls:.2f} tool calls run per question (means over steps); dH at tool results, "
             f"median of the steps' medians: {median}")
+    pooled = {key: sum(line.get(f"branch/{key}", 0) for line in steps)
+              for key in ("decisions", "forks", "top_quartile_decisions", "top_quartile_forks",
+                          "bottom_quartile_decisions", "bottom_quartile_forks")}
+    if pooled["decisions"]:
+        text += (f"; forked at {pooled['forks']} of {pooled['decisions']} tool results with room, "
+                 f"{pooled['top_quartile_forks']} of {pooled['top_quartile_decisions']} in a "
+                 f"step's top dH quartile, {pooled['bottom_quartile_forks']} of "
+                 f"{pooled['bottom_quartile_decisions']} in its bottom one")
+    return text
 
 
 def evaluate(r: run.Run, pool, tasks: list, args: Args, step: int, stage: str,

@@ -182,11 +182,21 @@ class ToolsEnv:
     def __init__(self, seed: int = 0, train_path: str | None = None, eval_path: str | None = None,
                  corpus: str | None = None, url: str | None = None, topk: int = 3, max_tool_calls: int = 5,
                  multi_turn: bool = False, python_timeout_s: float = 10.0, max_output_chars: int = 2000,
-                 n_train: int = 400, n_eval: int = 100, max_workers: int = 8, unsafe_python: bool = False):
+                 n_train: int = 400, n_eval: int = 100, max_workers: int = 8, unsafe_python: bool = False,
+                 holdout: str = "all"):
+        """holdout: "all" keeps every held-out question; "answer" only those none of whose answers (after
+        the reward's normalisation) is a training question's answer, so a held-out success is never a
+        memorised training answer."""
+        if holdout not in ("all", "answer"):
+            raise ValueError(f"holdout must be 'all' or 'answer', not {holdout!r}")
         if not unsafe_python and not isolation()["kernel_isolated"]:
             raise RuntimeError(refusal(isolation()))  # before any data or model: one line from the script
         offline = None if train_path and (corpus or url) else write_offline(seed)
         self.data = load_splits(train_path, eval_path, offline, "tools", n_train, n_eval)
+        if holdout == "answer":
+            seen = {normalize_answer(a) for row in self.data["train"] for a in row["golden_answers"]}
+            self.data["eval"] = [row for row in self.data["eval"]
+                                 if not any(normalize_answer(a) in seen for a in row["golden_answers"])]
         self.corpus, self.url = corpus or (offline["corpus"] if offline else None), url
         self._retriever = None
         self.topk, self.max_tool_calls, self.multi_turn = topk, max_tool_calls, multi_turn

@@ -982,3 +982,38 @@ def test_the_mechanisms_summary_averages_forks_calls_and_the_entropy_change_by_h
     assert "3 steps (arpo rollout): 1.00 forked responses and 3.00 tool calls" in text
     assert "median of the steps' medians: +0.100" in text
     assert arpo.mechanism_summary([], args) == "ARPO: no RL step ran"
+
+
+def test_fork_metrics_count_decisions_with_room_and_the_quartiles_by_hand():
+    args = arpo.Args(beta=0.2, tau=0.5)
+    rows = [{"delta_h": [-1.0, 0.0, 2.0], "forks": [False, True, True],
+             "could_fork": [True, True, True]},
+            {"delta_h": [1.0, 5.0], "forks": [False, False], "could_fork": [True, False]}]
+    m = arpo.fork_metrics(rows, args)
+    # 4 decisions with room (5.0 had none): dH -1, 0, 2, 1; quartiles of those: 25% -0.25, 75% 1.25
+    assert m["branch/decisions"] == 4 and m["branch/forks"] == 2
+    # P = clip(1 - 0.5 + 0.2 dH, 0, 1): 0.3, 0.5, 0.9, 0.7
+    assert m["branch/p_fork_mean"] == pytest.approx((0.3 + 0.5 + 0.9 + 0.7) / 4)
+    assert (m["branch/top_quartile_decisions"], m["branch/top_quartile_forks"]) == (1, 1)  # dH 2
+    assert (m["branch/bottom_quartile_decisions"], m["branch/bottom_quartile_forks"]) == (1, 0)
+    assert arpo.fork_metrics([{"delta_h": [], "forks": [], "could_fork": []}], args) == {
+        "branch/decisions": 0, "branch/forks": 0}
+    steps = [{"rollouts": 4, "forks_per_question": 1.0, "tool_calls/executed_per_question": 1.0,
+              **m}, {"rollouts": 4, "forks_per_question": 1.0,
+                     "tool_calls/executed_per_question": 1.0, **m}]
+    text = arpo.mechanism_summary(steps, args)
+    assert "forked at 4 of 8 tool results with room, 2 of 2 in a step's top dH quartile, 0 of 2" \
+        in text
+
+
+def test_a_full_question_records_no_room_to_fork_and_draws_no_alpha():
+    # M = N = 1: every decision finds its question full; the branch rule's alpha is never drawn
+    rng = np.random.default_rng(0)
+    gen, tool = fake_engine(3, stop_p=0.95)
+    rollouts = arpo.adaptive_rollout(2, group_size=1, initial_rollouts=1, fork_z=1, k=4, beta=0.2,
+                                     tau=0.5, max_tool_calls=4, max_new_tokens=80, vocab_size=100,
+                                     generate_segments=gen, run_tool=tool, rng=rng)
+    decisions = [room for r in rollouts for room in r.could_fork]
+    assert decisions and not any(decisions)
+    assert [len(r.could_fork) for r in rollouts] == [len(r.delta_h) for r in rollouts]
+    assert rng.random() == np.random.default_rng(0).random()

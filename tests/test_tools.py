@@ -225,3 +225,15 @@ def test_arpo_unsafe_python_flag(monkeypatch):
     assert "\n" not in str(e.value)
     env = arpo.build_envs(run.parse(arpo.Args, ["--env", "tools", "--unsafe-python"], arpo.PRESETS)).env
     assert env.limits.unsafe
+
+
+def test_holdout_answer_keeps_only_held_out_questions_whose_answers_training_never_has():
+    every, unseen = make_env("tools", seed=0), make_env("tools", seed=0, holdout="answer")
+    train = {tools.normalize_answer(a) for row in every.data["train"] for a in row["golden_answers"]}
+    kept = [row["question"] for row in every.data["eval"]
+            if not {tools.normalize_answer(a) for a in row["golden_answers"]} & train]
+    assert [row["question"] for row in unseen.data["eval"]] == kept
+    assert 32 <= len(kept) < len(every.data["eval"])  # some answers repeat; enough remain
+    assert unseen.data["train"] == every.data["train"]
+    with pytest.raises(ValueError, match="holdout must be 'all' or 'answer'"):
+        make_env("tools", seed=0, holdout="question")
