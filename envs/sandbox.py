@@ -25,23 +25,23 @@ Layers, each one independent of the others:
   block and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds
   the files the code holds open or mapped once unlinked; past the bound the call is stopped;
 - one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork,
-  vfork, clone without CLONE_THREAD and clone3 (threads still work), so RLIMIT_AS and RLIMIT_CPU
-  hold for the call as a whole without cgroups (which need root or a delegated systemd slice)
-  and nothing can leave the process group;
+  vfork, clone but of a thread that shares the file table (CLONE_THREAD | CLONE_FILES) and clone3
+  (threads still work), so RLIMIT_AS, RLIMIT_CPU and RLIMIT_NOFILE hold for the call as a whole
+  without cgroups (which need root or a delegated systemd slice) and nothing can leave the process
+  group;
 - the rest of the seccomp filter: signals only to itself (kill, tgkill, sigqueue; no pidfd),
   no setsid or setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of
   itself only (prlimit64, sched_set*, setpriority), no io_uring (it would bypass the filter),
-  no mount/unshare/setns, no sockets but socketpair(AF_UNIX, SOCK_STREAM) -- AF_INET/AF_INET6 too
-  where a network namespace covers them -- so host unix sockets (X11, D-Bus) stay out of reach;
-  no SysV IPC, POSIX message queues or memfd (memory outside RLIMIT_AS, objects that outlive
-  the call), no xattr writes, no file locks or leases (a channel between concurrent calls),
-  no F_GETLK (it names a host lock holder), no F_SETOWN (I/O signals to other processes),
-  no file flags or attributes by ioctl (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR), no page-cache
-  eviction (fadvise DONTNEED, madvise COLD/PAGEOUT), fallocate "not supported" (libc then writes,
-  under RLIMIT_FSIZE); in C also no chmod, chown or file times, no bind (abstract unix names are the
-  host's), no sendmsg (fds in flight hide files from the disk count), no mkdir without rwx for the
-  owner and no umask that takes them (the runner walks every folder), and with Landlock ABI < 3 no
-  truncate(path) (Landlock has no right for these);
+  no mount/unshare/setns, no sockets at all (socket, socketpair: host unix sockets such as X11 and
+  D-Bus, fds in flight, buffers outside RLIMIT_AS), no AIO contexts or inotify; no SysV IPC, POSIX
+  message queues or memfd (memory outside RLIMIT_AS, objects that outlive the call), no xattr
+  writes, no file locks or leases (a channel between concurrent calls), no F_GETLK (it names a
+  host lock holder), no F_SETOWN (I/O signals to other processes), no file flags or attributes by
+  ioctl (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR), no page-cache eviction (fadvise DONTNEED, madvise
+  COLD/PAGEOUT), fallocate "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no
+  chmod, chown or file times, no mkdir without rwx for the owner and no umask that takes them (the
+  runner walks every folder), and with Landlock ABI < 3 no truncate(path) (Landlock has no right
+  for these);
 - privileges dropped after the mounts are set up: as root (A) an unused uid per call, every
   capability and the bounding set gone; in a user namespace (B) a nested user namespace maps the
   code to uid 1000 and every capability is dropped, so the code is not root and cannot unmount
@@ -308,26 +308,27 @@ def seccomp():
     # setpriority (nice): PRIO_PROCESS of itself only
     prog += only(141, arg(0), jeq(0, 0, 4), arg(1), jeq(0, 1, 0), jeq(me, 0, 1),
                  ret(ALLOW), ret(DENY))
-    # clone: threads only (CLONE_THREAD, no CLONE_NEW* flag);
+    # clone: threads only (CLONE_THREAD, no CLONE_NEW* flag) that share the file table
+    # (CLONE_FILES: a table of its own held fds past RLIMIT_NOFILE, files no /proc/PID/fd shows);
     # clone3 hides its flags: ENOSYS, libc falls back
-    prog += only(56, arg(0), jset(0x7E020080, 2, 0), jset(0x10000, 0, 1), ret(ALLOW), ret(DENY))
+    prog += only(56, arg(0), jset(0x7E020080, 3, 0), (0x54, 0, 0, 0x10400), jeq(0x10400, 0, 1),
+                 ret(ALLOW), ret(DENY))
     prog += only(435, ret(NOSYS))
-    # AF_INET/AF_INET6 only inside an empty network namespace
-    inet = ALLOW if cfg["net_ns"] else DENY
-    prog += only(41, arg(0), jeq(2, 1, 0), jeq(10, 0, 1), ret(inet), ret(DENY))
-    # socketpair: stream
-    prog += only(53, arg(1), (0x54, 0, 0, 0xF), jeq(1, 0, 1), ret(ALLOW), ret(DENY))
     denied = [57, 58,  # fork, vfork
               200, 424, 434, 438,  # tkill, pidfd_send_signal, pidfd_open, pidfd_getfd
               112, 109,  # setsid, setpgid: the process group is how the call is ended
               101, 310, 311, 312,  # ptrace, process_vm_readv/writev, kcmp
               425, 426, 427,  # io_uring (its requests are not seen by this filter)
+              # sockets, socketpair: host unix sockets, fds in flight (held past RLIMIT_NOFILE,
+              # hidden from the disk count), buffers outside RLIMIT_AS; io_setup: AIO contexts
+              # (a host-wide count); inotify: watches on the host's files (a channel)
+              41, 53, 206, 253, 294,
               # namespaces and mounts
               272, 308, 165, 166, 155, 161, 428, 429, 430, 431, 432, 433, 442,
               # bpf ... by_handle
               321, 298, 323, 250, 248, 249, 175, 313, 176, 246, 320, 172, 173, 304, 303,
-              # ioprio_set, process_madvise/mrelease, (fa)notify, syslog
-              251, 440, 448, 254, 300, 301, 103]
+              # ioprio_set, process_madvise/mrelease, fanotify, syslog
+              251, 440, 448, 300, 301, 103]
     # the host's SysV IPC and POSIX message queues (set-up C has no ipc namespace),
     # memfd: memory outside RLIMIT_AS; xattr writes: Landlock does not cover them
     # (a note one call leaves for the next)
@@ -339,10 +340,6 @@ def seccomp():
     # C: no read-only mounts, and Landlock has no right for chmod, chown, file times
     if not cfg["mounts"]:
         denied += [90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280]
-        # no network namespace: bind would take an abstract unix name from the host
-        # (Landlock scopes connect only); sendmsg, sendmmsg: fds in flight (SCM_RIGHTS)
-        # would hide files from the disk count
-        denied += [49, 46, 307]
         # no folder the runner cannot read (it counts the disk by walking): mkdir needs rwx for the
         # owner, umask may not take them away (chmod is refused above)
         prog += only(83, arg(1), (0x54, 0, 0, 0o700), jeq(0o700, 0, 1), ret(ALLOW), ret(DENY))
@@ -486,9 +483,8 @@ def guard(event, args):
     # python-level refusal of file and network access outside the sandbox (see the module docstring)
     if event in PROCESS_EVENTS:
         raise PermissionError("sandbox: starting processes is disabled (one process per call)")
-    if event.startswith("socket.") and event in ("socket.connect", "socket.bind", "socket.sendto",
-                                                 "socket.sendmsg"):
-        raise PermissionError("sandbox: network access is disabled")
+    if event == "socket.__new__":  # any socket, as seccomp: no network, no unix sockets
+        raise PermissionError("sandbox: network access is disabled (no sockets)")
     if event == "open":
         path, mode, flags = args
         if isinstance(path, int):
@@ -640,7 +636,7 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
             os.path.dirname(os.path.realpath(sys.executable))]
     return {"wd": os.path.realpath(wd), "uid": uid, "mounts": mounts, "keep": keep,
             "protect": protect, "hide": [p for p in protect if not _is_system_dir(p)],
-            "userns": "--user" in namespaces, "net_ns": bool(namespaces), **kernel,
+            "userns": "--user" in namespaces, **kernel,
             "guard": limits.guard, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
             "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
             "max_files": limits.max_files, "open_files": limits.open_files,

@@ -453,15 +453,15 @@ def cases(spec):
         # 0666 canaries
         "host_metadata": (host_metadata, {}, "all"),
         "host_metadata_abi2": (host_metadata, {"abi": 2}, "all"),
-        # F_SETOWN + F_SETSIG(SIGKILL) on a socket: the kernel signals the owner on I/O
-        # (Landlock ABI < 6); the target is a process of the trainer's uid (not the trainer:
-        # a pytest killed says little)
-        "setown_kill_abi5": ("import fcntl, socket\na, b = socket.socketpair()\n"
+        # F_SETOWN + F_SETSIG(SIGKILL) on a pipe (a socket before sockets were refused): the kernel
+        # signals the owner on I/O (Landlock ABI < 6); the target is a process of the trainer's uid
+        # (not the trainer: a pytest killed says little)
+        "setown_kill_abi5": ("import fcntl\na, b = os.pipe()\n"
                              f"fcntl.fcntl(a, fcntl.F_SETOWN, {spec['victim']})\n"
                              "fcntl.fcntl(a, 10, 9)\n"
                              "fcntl.fcntl(a, fcntl.F_SETFL, "
                              "fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)\n"
-                             "b.send(b'x')\ntime.sleep(0.2)", {"abi": 5}, "all"),
+                             "os.write(b, b'x')\ntime.sleep(0.2)", {"abi": 5}, "all"),
         # memory outside RLIMIT_AS, and SysV objects that outlive the call
         # (the host's without an ipc ns)
         "sysv_ipc": ("for name, call in (('shm', lambda: libc.shmget(0, 64 << 20, 0o1666)),\n"
@@ -521,11 +521,12 @@ def cases(spec):
                        "    print('ESCAPE the runner chmods the code\\'s folders by path')",
                        {}, "all"),
         # files held open (unlinked, O_TMPFILE, in flight over SCM_RIGHTS) escaped the 64 MB walk
-        "hidden_disk": ("import socket\nheld, total = [], 0\na, b = socket.socketpair()\n"
+        "hidden_disk": ("import socket\nheld, total = [], 0\n"
                         "def tmpfile():\n    global total\n"
                         "    fd = os.open('.', os.O_TMPFILE | os.O_RDWR)\n"
                         "    for _ in range(8):\n        total += os.write(fd, b'x' * (1 << 20))\n"
-                        "    return fd\ntry:\n    for _ in range(20):\n        fd = tmpfile()\n"
+                        "    return fd\ntry:\n    a, b = socket.socketpair()\n    for _ in range(20):\n"
+                        "        fd = tmpfile()\n"
                         "        socket.send_fds(a, [b'x'], [fd])\n        os.close(fd)\n"
                         "except OSError as e:\n    print(e)\ntime.sleep(0.3)\n"
                         "print('ESCAPE in flight', total >> 20, 'MB') "
@@ -560,6 +561,31 @@ def cases(spec):
                           "        p = os.readlink('/proc/self/fd/' + n)\n    except OSError:\n"
                           "        continue\n    if p != f'/proc/{os.getpid()}/fd':\n"
                           "        print('ESCAPE inherited fd', n, p)", {}, "all"),
+        # calls the code needs none of: sockets (fds in flight, buffers outside RLIMIT_AS), AIO and
+        # inotify (contexts and watches of the host's), and threads with a file table of their own
+        # (fds past RLIMIT_NOFILE, O_TMPFILE files the runner's walk does not see); threads still run
+        "refused_calls": ("import threading\nran = []\nt = threading.Thread(target=ran.append, "
+                          "args=(1,))\nt.start()\nt.join()\nprint('thread ran', ran)\n"
+                          "stack = ctypes.create_string_buffer(1 << 16)\n"
+                          "libc.clone.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]\n"
+                          "fn = ctypes.cast(libc.getpid, ctypes.c_void_p)\n"
+                          "top = (ctypes.addressof(stack) + (1 << 16)) & ~15\n"
+                          "for name, call in (('socketpair', lambda: libc.socketpair(1, 1, 0, "
+                          "(ctypes.c_int * 2)())),\n"
+                          "                   ('socket AF_UNIX', lambda: libc.socket(1, 1, 0)),\n"
+                          "                   ('socket AF_INET', lambda: libc.socket(2, 2, 0)),\n"
+                          "                   ('io_setup', lambda: libc.syscall(206, 8, "
+                          "ctypes.byref(ctypes.c_ulong()))),\n"
+                          "                   ('io_uring_setup', lambda: libc.syscall(425, 8, "
+                          "ctypes.create_string_buffer(120))),\n"
+                          "                   ('inotify_init', lambda: libc.syscall(253)),\n"
+                          "                   ('inotify_init1', lambda: libc.inotify_init1(0)),\n"
+                          # CLONE_VM | CLONE_SIGHAND | CLONE_THREAD, no CLONE_FILES
+                          "                   ('clone', lambda: libc.clone(fn, top, 0x10900, None))):\n"
+                          "    ctypes.set_errno(0)\n    got = call()\n"
+                          "    if got >= 0 or ctypes.get_errno() != 1:\n"
+                          "        print('ESCAPE', name, got, os.strerror(ctypes.get_errno()))",
+                          {}, "all"),
         # exit statuses the runner used for its verdicts: the code could forge disk, cpu, killed
         "forge_200": ("sys.stdout.flush()\nos._exit(200)", {}, "all"),
         "forge_152": ("sys.stdout.flush()\nos._exit(152)", {}, "all"),
@@ -649,6 +675,8 @@ def attack(sandbox, spec):
             found.append(f"reported as {r.error}: {r.output[:200]}")
         if name.startswith("forge_") and r.error != "exit":
             found.append(f"exit status {name[6:]} reported as {r.error}: {r.output[:200]}")
+        if name == "refused_calls" and "thread ran [1]" not in r.output:
+            found.append(f"a thread did not run: {r.output[:200]}")
         if name == "setsid_outlives":
             time.sleep(0.2)
             found += [f"sleep {pid} outlived the call" for pid in survivors(spec["mark"])]
@@ -827,7 +855,7 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "host_metadata", "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd",
          "fallocate", "disk_fill", "threads", "flock_host", "dev_pts", "stdout_file", "chmod_top",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
-         "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137"]
+         "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls"]
 
 
 # they try to undo the sandbox's mounts: set-up C has none
