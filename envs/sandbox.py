@@ -411,10 +411,11 @@ def disk_over(pid):
                 seen.add(st.st_ino)
                 used += st.st_blocks * 512
         maps = {}
-        for line in open(f"/proc/{pid}/maps").read().splitlines() if pid else []:
+        # bytes: the names are the code's, not always UTF-8
+        for line in open(f"/proc/{pid}/maps", "rb").read().splitlines() if pid else []:
             f = line.split()
-            if len(f) > 5 and line.endswith("(deleted)") and int(f[4]) not in seen:
-                major, minor = (int(x, 16) for x in f[3].split(":"))
+            if len(f) > 5 and line.endswith(b"(deleted)") and int(f[4]) not in seen:
+                major, minor = (int(x, 16) for x in f[3].split(b":"))
                 if os.makedev(major, minor) == dev:
                     start, end = (int(x, 16) for x in f[0].split("-"))
                     maps[int(f[4])] = max(maps.get(int(f[4]), 0), int(f[2], 16) + end - start)

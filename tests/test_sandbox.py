@@ -586,6 +586,12 @@ def cases(spec):
                           "    if got >= 0 or ctypes.get_errno() != 1:\n"
                           "        print('ESCAPE', name, got, os.strerror(ctypes.get_errno()))",
                           {}, "all"),
+        # (C) the runner reads /proc/PID/maps to count mapped files: a name that is not UTF-8
+        # (deleted or not) must not end the runner
+        "odd_names": ("import mmap\nfor name in (b'\\xff\\xfe-kept', b'\\xff-deleted'):\n"
+                      "    fd = os.open(name, os.O_CREAT | os.O_RDWR, 0o600)\n"
+                      "    os.write(fd, b'x' * (1 << 20))\n    m = mmap.mmap(fd, 1 << 20)\n"
+                      "os.unlink(b'\\xff-deleted')\ntime.sleep(0.3)\nprint('runner alive')", {}, "all"),
         # exit statuses the runner used for its verdicts: the code could forge disk, cpu, killed
         "forge_200": ("sys.stdout.flush()\nos._exit(200)", {}, "all"),
         "forge_152": ("sys.stdout.flush()\nos._exit(152)", {}, "all"),
@@ -677,6 +683,8 @@ def attack(sandbox, spec):
             found.append(f"exit status {name[6:]} reported as {r.error}: {r.output[:200]}")
         if name == "refused_calls" and "thread ran [1]" not in r.output:
             found.append(f"a thread did not run: {r.output[:200]}")
+        if name == "odd_names" and (r.error, r.output) != (None, "runner alive"):
+            found.append(f"reported as {r.error} after {r.seconds:.1f} s: {r.output[:200]}")
         if name == "setsid_outlives":
             time.sleep(0.2)
             found += [f"sleep {pid} outlived the call" for pid in survivors(spec["mark"])]
@@ -855,7 +863,8 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "host_metadata", "host_metadata_abi2", "setown_kill_abi5", "sysv_ipc", "memfd",
          "fallocate", "disk_fill", "threads", "flock_host", "dev_pts", "stdout_file", "chmod_top",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
-         "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls"]
+         "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
+         "odd_names"]
 
 
 # they try to undo the sandbox's mounts: set-up C has none
