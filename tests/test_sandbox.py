@@ -596,6 +596,13 @@ def cases(spec):
         "forge_200": ("sys.stdout.flush()\nos._exit(200)", {}, "all"),
         "forge_152": ("sys.stdout.flush()\nos._exit(152)", {}, "all"),
         "forge_137": ("sys.stdout.flush()\nos._exit(137)", {}, "all"),
+        # ... and the signals RLIMIT_CPU and RLIMIT_FSIZE send, sent by the code to itself at 0 s
+        "forge_sigxcpu": ("import signal\nos.kill(os.getpid(), signal.SIGXCPU)\ntime.sleep(1)",
+                          {}, "all"),
+        "forge_sigxfsz": ("import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
+                          "os.kill(os.getpid(), signal.SIGXFSZ)\ntime.sleep(1)", {}, "all"),
+        # (not hostile) the real limit still reads as "cpu": from the CPU time the code used
+        "cpu_limit": ("while True:\n    pass", {"cpu_s": 1, "timeout_s": 20}, "all"),
     }
 
 def snapshot(spec):
@@ -680,10 +687,12 @@ def attack(sandbox, spec):
         if name == "disk_fill" and r.error != "disk":
             found.append(f"reported as {r.error}: {r.output[:200]}")
         if name.startswith("forge_") and r.error != "exit":
-            found.append(f"exit status {name[6:]} reported as {r.error}: {r.output[:200]}")
+            found.append(f"forged {name[6:]} reported as {r.error}: {r.output[:200]}")
         if name == "refused_calls" and "thread ran [1]" not in r.output:
             found.append(f"a thread did not run: {r.output[:200]}")
         if name == "odd_names" and (r.error, r.output) != (None, "runner alive"):
+            found.append(f"reported as {r.error} after {r.seconds:.1f} s: {r.output[:200]}")
+        if name == "cpu_limit" and r.error != "cpu":
             found.append(f"reported as {r.error} after {r.seconds:.1f} s: {r.output[:200]}")
         if name == "setsid_outlives":
             time.sleep(0.2)
@@ -864,7 +873,7 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "fallocate", "disk_fill", "threads", "flock_host", "dev_pts", "stdout_file", "chmod_top",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
-         "odd_names"]
+         "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit"]
 
 
 # they try to undo the sandbox's mounts: set-up C has none
