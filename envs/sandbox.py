@@ -1016,8 +1016,8 @@ def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limit
     if "MemoryError" in text:
         return "memory", ""
     if sig:
-        return "exit", "" if text.strip() else (f"Error: the code ended with signal {sig} "
-                                                f"({signal.Signals(sig).name}) and printed nothing.")
+        return "exit", "" if text.strip() else (f"Error: the code ended with signal {sig} and "
+                                                "printed nothing.")
     if v["status"] != 0:
         return "exit", "" if text.strip() else ("Error: the code exited with status "
                                                 f"{v['status']} and printed nothing.")

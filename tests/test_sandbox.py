@@ -601,6 +601,8 @@ def cases(spec):
                           {}, "all"),
         "forge_sigxfsz": ("import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
                           "os.kill(os.getpid(), signal.SIGXFSZ)\ntime.sleep(1)", {}, "all"),
+        "forge_rtsig": ("import signal\nsignal.signal(40, signal.SIG_DFL)\nos.kill(os.getpid(), 40)",
+                        {}, "all"),
         # (not hostile) the real limit still reads as "cpu": from the CPU time the code used
         "cpu_limit": ("while True:\n    pass", {"cpu_s": 1, "timeout_s": 20}, "all"),
     }
@@ -873,7 +875,8 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "fallocate", "disk_fill", "threads", "flock_host", "dev_pts", "stdout_file", "chmod_top",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
-         "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit"]
+         "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit",
+         "forge_rtsig"]
 
 
 # they try to undo the sandbox's mounts: set-up C has none
