@@ -49,12 +49,13 @@ Layers, each one independent of the others:
   under /root): where it cannot, the code is not run (uid 0 may chmod, utime and truncate the
   host's files by name and is not bound by RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child
   checks /proc/self/status before it runs;
-- Landlock (Linux >= 5.13, unprivileged): reads only of the python installation, /usr, /lib*,
-  a few /etc files, some of /proc/self (not net, not task: without a network namespace the
-  host's sockets; not /proc/stat: a fork counter), the cpu topology and the working directory;
-  writes only to the working directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals
-  or abstract unix sockets out of the domain (ABI >= 6). Kernel-enforced whatever path the code
-  builds (dir_fd, /proc/self/root, ctypes);
+- Landlock (Linux >= 5.13, unprivileged): reads only of what python needs (its stdlib and import
+  path, the library folders /lib*, /usr/lib*, /usr/local/lib; not the rest of /usr, never a folder
+  holding a home or the trainer's working directory), a few /etc files, some of /proc/self (not
+  net, not task: without a network namespace the host's sockets; not /proc/stat: a fork counter),
+  the cpu topology and the working directory; writes only to the working directory and /dev/null;
+  no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets out of the domain (ABI >= 6).
+  Kernel-enforced whatever path the code builds (dir_fd, /proc/self/root, ctypes);
 - a fresh temporary working directory (also HOME and TMPDIR), a scrubbed environment; it is removed
   without recursion and without following symlinks, whatever the code left in it (deep trees,
   chmod 000 folders, the top one too), by a background thread (`wait_for_cleanup`), so a call
@@ -246,8 +247,20 @@ ETC = ["/etc/localtime", "/etc/timezone", "/etc/ld.so.cache", "/etc/ld.so.conf",
 PROC_SELF = ["/proc/self/" + name for name in (
     "fd", "fdinfo", "status", "stat", "statm", "maps", "smaps", "cmdline", "exe", "environ",
     "limits", "auxv", "comm", "cgroup", "mounts", "mountinfo", "io")]
-SYSTEM = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc/cpuinfo", "/proc/meminfo",
-          "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"] + PROC_SELF + ETC
+# what python reads: its executable, stdlib and import path, its prefixes' lib folders (libpython,
+# conda's libraries), the system's library folders (extension modules load libssl, libffi, ...
+# when imported) and time zones. Not all of /usr: a trainer's working directory may be there
+# (/usr/src/app); never a folder that is or holds a home or the trainer's working directory (an
+# editable install may put the project on sys.path).
+LIBRARY = [os.path.realpath(p) for p in [
+    sys.executable, os.path.dirname(os.__file__), *filter(None, sys.path),
+    *(os.path.join(p, "lib") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)),
+    "/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib",
+    "/usr/share/zoneinfo"]]
+LIBRARY = [p for p in LIBRARY if p != "/" and not any(
+    (h + "/").startswith(p.rstrip("/") + "/") for h in cfg["protect"])]
+SYSTEM = LIBRARY + ["/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu", "/dev/urandom",
+                    "/dev/random", "/dev/zero"] + PROC_SELF + ETC
 
 def landlock():
     # reads: the python installation and system files; writes: the working dir and /dev/null
@@ -258,14 +271,7 @@ def landlock():
     ruleset = libc.syscall(L(444), ctypes.c_char_p(attr), L(len(attr)), L(0))
     need(ruleset >= 0, "Landlock")
     EXECUTE, WRITE, READ, READ_DIR, TRUNCATE, IOCTL_DEV = 1, 2, 4, 8, 1 << 14, 1 << 15
-    protect = [p.rstrip("/") + "/" for p in cfg["protect"]]
-    py = [sys.prefix, sys.base_prefix, sys.exec_prefix,
-          os.path.dirname(os.path.realpath(sys.executable)),
-          os.path.dirname(os.__file__)] + [p for p in sys.path if p]
-    # never a whole home or project folder (an editable install could put one on sys.path)
-    py = [p for p in map(os.path.realpath, py)
-          if p != "/" and not any(h.startswith(p.rstrip("/") + "/") for h in protect)]
-    rules = [(p, READ | READ_DIR | EXECUTE) for p in py + SYSTEM]
+    rules = [(p, READ | READ_DIR | EXECUTE) for p in SYSTEM]
     rules += [("/dev/null", READ | WRITE | TRUNCATE | IOCTL_DEV), (wd, fs)]
     for path, access in rules:
         try:
@@ -526,10 +532,9 @@ WRITE_EVENTS = {"os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
                   "subprocess.Popen"}
 WRITE = [wd, "/dev/null"]
-READ = [wd, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__), "/usr",
-        "/lib", "/lib64", "/etc", "/dev/null", "/dev/urandom", "/dev/zero", "/proc/self",
-        "/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu"] + [p for p in sys.path if p]
-READ = [os.path.realpath(p) for p in READ]
+READ = [wd] + LIBRARY + [os.path.realpath(p) for p in (
+    "/etc", "/dev/null", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/cpuinfo",
+    "/proc/meminfo", "/sys/devices/system/cpu")]
 
 def report(e):
     # a traceback of the user's frames only (the runner's own frames are "<string>")

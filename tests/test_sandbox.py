@@ -592,6 +592,10 @@ def cases(spec):
                       "    fd = os.open(name, os.O_CREAT | os.O_RDWR, 0o600)\n"
                       "    os.write(fd, b'x' * (1 << 20))\n    m = mmap.mmap(fd, 1 << 20)\n"
                       "os.unlink(b'\\xff-deleted')\ntime.sleep(0.3)\nprint('runner alive')", {}, "all"),
+        # a trainer working under /usr (/usr/src/app in many images): its world-readable .env
+        # is not the interpreter's; as root only (/usr is not writable otherwise)
+        **({"usr_cwd": (f"print(open({spec['usr_cwd']!r} + '/.env').read())",
+                        {"cwd": spec["usr_cwd"]}, "all")} if spec["usr_cwd"] else {}),
         # exit statuses the runner used for its verdicts: the code could forge disk, cpu, killed
         "forge_200": ("sys.stdout.flush()\nos._exit(200)", {}, "all"),
         "forge_152": ("sys.stdout.flush()\nos._exit(152)", {}, "all"),
@@ -658,6 +662,7 @@ def attack(sandbox, spec):
             continue
         # a kernel with an older Landlock: the ruleset the module builds there
         abi = extra.pop("abi", None)
+        cwd = extra.pop("cwd", None)  # the trainer's working directory for this call
         kw = {"timeout_s": 3, "cpu_s": 2, "memory_mb": 512, "guard": False, **extra}
         found = []
         real = sandbox._kernel_layers
@@ -665,12 +670,14 @@ def attack(sandbox, spec):
             sandbox._kernel_layers = lambda: {**real(), "landlock": min(abi, real()["landlock"])}
             sandbox._isolation.cache_clear()
         try:
+            os.chdir(cwd or spec["cwd"])
             r = sandbox.run_python(PRE + code,
                                    sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw))
         except BaseException as e:
             escapes[name] = [f"run_python raised {type(e).__name__}: {str(e)[:200]}"]
             continue
         finally:
+            os.chdir(spec["cwd"])
             if abi:
                 sandbox._kernel_layers = real
                 sandbox._isolation.cache_clear()
@@ -757,6 +764,10 @@ def _world_python() -> str | None:
     return None
 
 
+def _usr_twin(work: str) -> str:
+    return os.path.join("/usr/local/share", os.path.basename(work))
+
+
 def _fixture_dirs(work: str, owner: int | None) -> dict:
     # a fresh HOME (with a canary .bashrc) and trainer cwd, both writable by whoever
     # runs the code if the sandbox let it; a shared folder (0777) with a world-readable
@@ -776,6 +787,14 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
     with open(os.path.join(d["shared"], "secret.txt"), "w") as f:
         f.write(secret)
     os.chmod(os.path.join(d["shared"], "secret.txt"), 0o644)
+    # a trainer's working directory under /usr, its .env world-readable (root only)
+    usr = _usr_twin(work)
+    if os.access(os.path.dirname(usr), os.W_OK):
+        os.mkdir(usr)
+        os.chmod(usr, 0o755)
+        with open(os.path.join(usr, ".env"), "w") as f:
+            f.write(f"HF_TOKEN={secret}\n")
+        os.chmod(os.path.join(usr, ".env"), 0o644)
     if owner is not None:
         for path in [work, *d.values(),
                      *(os.path.join(d[k], n) for k in d for n in os.listdir(d[k]))]:
@@ -783,6 +802,7 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
     return {"home": d["home"], "cwd": d["cwd"], "secret": os.path.join(d["shared"], "secret.txt"),
             "secret_text": secret, "socket": os.path.join(d["shared"], "host.sock"),
             "hostfile": os.path.join(d["shared"], "host.txt"),
+            "usr_cwd": usr if os.path.isdir(usr) else None,
             "mark": str(7000 + uuid.uuid4().int % 999)}
 
 
@@ -834,6 +854,7 @@ def _attack(setup: str) -> dict:
                     os.environ["HOME"] = old_home
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(_usr_twin(work), ignore_errors=True)
     # as a spare uid (setpriv); C-root: as root, with an interpreter a spare uid can
     # reach (the sandbox drops to one; the trainer's own interpreter may be under
     # /root, where it refuses: its own test)
@@ -866,6 +887,7 @@ def _attack(setup: str) -> dict:
         return json.loads(p.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(_usr_twin(work), ignore_errors=True)
 
 
 CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home", "dir_fd_guard",
@@ -876,7 +898,7 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
          "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit",
-         "forge_rtsig"]
+         "forge_rtsig", "usr_cwd"]
 
 
 # they try to undo the sandbox's mounts: set-up C has none
@@ -902,6 +924,8 @@ def test_hostile_snippet_does_not_escape(setup, case):
                     "the refusal has its own test")
     if setup == "B" and got["_setup"] != "B":
         pytest.skip(f"an ordinary user gets set-up {got['_setup']} here, not user namespaces")
+    if case not in got:
+        pytest.skip(f"{case} needs root here (it writes under /usr)")
     assert got[case] == [], f"set-up {setup}, {case}: {got[case]}"
 
 
