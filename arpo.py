@@ -49,6 +49,7 @@ from common.cli import opt
 from common.logprobs import token_logprobs
 from common.models import unwrap
 from envs.base import require
+from envs.tools import result_block
 
 # ==================================================================================================
 # ARGUMENTS
@@ -347,8 +348,8 @@ def rollout(generator, tokenizer, env, prompts: list[list[int]], groups: list[in
         content = last_tool_call(tokenizer.decode(r.response_ids, skip_special_tokens=True), tag)
         if not content:  # `<python></python>`, or a closing tag without its opening one
             return None
-        output = execute_tool(env, tag, content)
-        result = f" <result>\n{output}\n</result>"  # the code's layout
+        # the code's layout, the agent's tags in the output neutralized (envs/tools.py)
+        result = result_block(execute_tool(env, tag, content))
         return tokenizer.encode(result, add_special_tokens=False)
 
     m, n, z = (args.group_size, args.initial_rollouts, args.fork_z) if train else (1, 1, 0)

@@ -2,7 +2,9 @@
 
 One response interleaves thinking with tool calls. Generation pauses when a closing tool tag is
 produced; the tool runs, its output is inserted as `<result>...</result>` (environment tokens: mask them
-out of the loss) and generation continues, until `<answer>...\\boxed{...}...</answer>`.
+out of the loss) and generation continues, until `<answer>...\\boxed{...}...</answer>`. Inside a result
+the agent's tags are written `&lt;answer>`, `&lt;/result>`, ...: no output closes its block or forges
+an answer.
 
 API for a rollout that executes tools *inside* one response (arpo.py):
 
@@ -170,8 +172,15 @@ def pending_call(text: str) -> tuple[str, str] | None:
     return None
 
 
+# The tags format_check, score and pending_call read. Inside a result block each one's "<" is written
+# "&lt;": what code prints (or a passage says) can neither close its block nor forge a call, a
+# <think>, or an <answer> the scorer would take for the model's own.
+AGENT_TAG = re.compile(r"<(?=/?(?:think|answer|result|python|search)\b)")
+
+
 def result_block(output: str) -> str:
-    return f" <result>\n{output}\n</result>"  # ARPO's layout (vllm_rollout_with_tools.py)
+    """A tool's output as the environment inserts it (ARPO's layout, vllm_rollout_with_tools.py)."""
+    return f" <result>\n{AGENT_TAG.sub('&lt;', output)}\n</result>"
 
 
 # a city's passage in the offline corpus (envs/qa_data.py), as the expert reads it
