@@ -121,12 +121,15 @@ def interval(values: list[float]) -> tuple[float, float, int]:
 
 
 def verdict(diffs: list[float], direction: int) -> str:
-    """Plain words for the paired differences method − baseline; direction -1: lower is better."""
+    """Plain words for the paired differences method − baseline; direction -1: lower is better, 0:
+    neither (a mechanism's measure, e.g. the clip fraction)."""
     mean, half, n = interval(diffs)
     if n < 2:
         return "too few seeds"
     if mean - half <= 0 <= mean + half:
         return "within noise"
+    if direction == 0:
+        return "method higher" if mean > 0 else "method lower"
     return "method better" if (mean > 0) == (direction > 0) else "baseline better"
 
 
@@ -171,6 +174,15 @@ def train_mean(key: str):
     return get
 
 
+def trained_mean(key: str):
+    """Mean of a training metric over the RL steps that took a gradient step (LOOP's filter can drop
+    a whole step, whose clip fraction is 0 for want of tokens, not because nothing clipped)."""
+    def get(rows):
+        values = [r[key] for r in rows if r.get("gradient_steps", 0) > 0 and key in r]
+        return float(np.mean(values)) if values else None
+    return get
+
+
 def train_last(key: str):
     return lambda rows: (train_series(rows, lambda r: r.get(key))[1] or [None])[-1]
 
@@ -193,8 +205,11 @@ METRICS = {
         ("tool calls per question, held-out after RL ↓", last("eval/tool_calls_per_question"), -1),
         *HELD_OUT],
     "loop": HELD_OUT + [
+        ("held-out games won, after − before RL", held_out_gain, 1),
         ("training reward, mean over steps", train_mean("reward_mean"), 1),
-        ("training reward, last step", train_last("reward_mean"), 1)],
+        ("training reward, last step", train_last("reward_mean"), 1),
+        ("clip fraction, mean over the steps that trained", trained_mean("clip_fraction"), 0),
+        ("task groups that carried a gradient, mean over steps", train_mean("groups_with_signal"), 1)],
 }
 METRICS["demo"] = HELD_OUT[:2] + [
     ("held-out games won, after − before RL", held_out_gain, 1),

@@ -93,6 +93,10 @@ def test_verdict_on_paired_differences():
     assert compare.verdict([0.5, 0.5, 0.25], -1) == "baseline better"  # lower is better: more is worse
     assert compare.verdict([-0.5, -0.5, -0.25], -1) == "method better"
     assert compare.verdict([0.5], 1) == "too few seeds"
+    # direction 0 (a mechanism's measure): which way it moved, never "better"
+    assert compare.verdict([0.5, 0.5, 0.25], 0) == "method higher"
+    assert compare.verdict([-0.5, -0.5, -0.25], 0) == "method lower"
+    assert compare.verdict([0.25, 0.25, 0.5], 0) == "within noise"
 
 
 def _run(root, algo, name, template, changes, done=True):
@@ -246,3 +250,11 @@ def test_demo_counts_held_out_wins_per_walkthrough(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "| run | N-E | S-E | W-N |" in lines
     assert "| rl-s0 | 2 → 1 of 2 | 1 → 0 of 1 | 0 → 1 of 1 |" in lines
+
+
+def test_trained_mean_skips_steps_that_took_no_gradient_step():
+    rows = [{"step": 1, "clip_fraction": 0.2, "gradient_steps": 4},
+            {"step": 2, "clip_fraction": 0.0, "gradient_steps": 0},  # filtered whole: no tokens
+            {"step": 3, "clip_fraction": 0.1, "gradient_steps": 2}]
+    assert compare.trained_mean("clip_fraction")(rows) == pytest.approx(0.15)
+    assert compare.trained_mean("clip_fraction")(rows[1:2]) is None
