@@ -255,6 +255,13 @@ def test_as_root_without_namespaces_code_never_runs_as_uid_0(monkeypatch):
         assert r.error == "refused" and "--unsafe-python" in r.output and "spare uid" in r.output
         risky = SandboxLimits(**{**FAST.__dict__, "namespaces": False, "unsafe": True})
         assert run_python("import os\nos.geteuid()", risky).output == "0"
+        # RLIMIT_NPROC does not bind uid 0; the call's cgroup (where there is one) does: its count
+        r = run_python("import threading, time\nthreading.stack_size(1 << 16)\nfor _ in range(40):\n"
+                       "    threading.Thread(target=time.sleep, args=(1,), daemon=True).start()",
+                       risky)
+        if iso["cgroup"]:
+            assert r.error == "exit" and r.output.startswith(
+                f"Error: the code reached its limit of {FAST.nproc} threads."), r.output
     finally:
         sandbox._isolation.cache_clear()
 
@@ -349,7 +356,7 @@ def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(
 # so that it runs in both ways.
 
 HARNESS = r'''
-import json, os, resource, socket, subprocess, sys, time
+import json, os, resource, socket, subprocess, sys, threading, time
 
 PRE = "import ctypes, os, struct, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
@@ -609,7 +616,53 @@ def cases(spec):
                         {}, "all"),
         # (not hostile) the real limit still reads as "cpu": from the CPU time the code used
         "cpu_limit": ("while True:\n    pass", {"cpu_s": 1, "timeout_s": 20}, "all"),
+        # the call's own cgroup where the trainer may make one: the code is in it, its limits are
+        # the call's, it is gone after the call (checked from the trainer's side, check_cgroup)
+        "cgroup": ("print(open('/proc/self/cgroup').read())\ntime.sleep(1)", {"memory_mb": 300},
+                   "all"),
+        # memory RLIMIT_AS does not see: the working dir's tmpfs pages, 320 MB with 200 MB allowed
+        "memory_cgroup": ("for i in range(40):\n    open(f'f{i}', 'wb').write(b'x' * (8 << 20))\n"
+                          "print('ESCAPE wrote 320 MB with 200 MB of memory')",
+                          {"memory_mb": 200, "disk_mb": 512}, "ns"),
     }
+
+def cgroup_children(sandbox):
+    parents = (getattr(sandbox, "_cgroup_parents", lambda: None)() or ("", ()))[1]
+    return {p: set(os.listdir(p)) for p in parents}
+
+def watch_cgroups(before, seen, done):
+    # new cgroups beside the trainer's while the call runs: their limit files and tasks
+    names = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.max",
+             "memory.swap.max", "pids.max", "cgroup.procs")
+    while not done.is_set():
+        for p in before:
+            for d in [os.path.join(p, n) for n in set(os.listdir(p)) - before[p]]:
+                try:
+                    got = {n: open(os.path.join(d, n)).read().strip() for n in os.listdir(d)
+                           if n in names}
+                except OSError:
+                    continue
+                if got.get("cgroup.procs"):
+                    seen[d] = got
+        time.sleep(0.02)
+
+def check_cgroup(sandbox, iso, spec, output, seen, kw):
+    if not iso.get("cgroup"):
+        if spec["cgroup_expected"]:
+            return ["no cgroup per call, though the trainer may make one"]
+        return [] if "no cgroup" in iso["note"] else ["no cgroup, and the report does not say so"]
+    paths = [line.split(":", 2)[2] for line in output.splitlines()
+             if line[:1].isdigit() and line.count(":") >= 2]
+    found = [] if seen else ["no cgroup with the code in it seen"]
+    found += [f"the code is not in {d}: {paths}" for d in seen
+              if not any(p != "/" and d.endswith(p) for p in paths)]
+    mb = kw["memory_mb"] << 20
+    want = {"memory.limit_in_bytes": mb, "memory.memsw.limit_in_bytes": mb, "memory.max": mb,
+            "memory.swap.max": 0, "pids.max": sandbox.SandboxLimits().nproc}
+    got = {n: v for d in seen.values() for n, v in d.items() if n in want}
+    found += [f"{n} = {v}, not {want[n]}" for n, v in got.items() if v != str(want[n])]
+    found += [f"no {n}" for n in ("pids.max", "memory") if not any(k.startswith(n) for k in got)]
+    return found + [f"{d} left after the call" for d in seen if os.path.exists(d)]
 
 def snapshot(spec):
     files = {}
@@ -656,7 +709,8 @@ def attack(sandbox, spec):
     before = snapshot(spec)
     iso = sandbox.isolation(spec["namespaces"])
     # what this machine gave
-    escapes = {"_setup": iso["setup"], "_isolated": iso["kernel_isolated"]}
+    skipped = {}  # case: why it does not apply here
+    escapes = {"_setup": iso["setup"], "_isolated": iso["kernel_isolated"], "_skip": skipped}
     for name, (code, extra, where) in cases(spec).items():
         if (where == "ns" and not spec["namespaces"]) or (where == "flat" and spec["namespaces"]):
             continue
@@ -664,11 +718,16 @@ def attack(sandbox, spec):
         abi = extra.pop("abi", None)
         cwd = extra.pop("cwd", None)  # the trainer's working directory for this call
         kw = {"timeout_s": 3, "cpu_s": 2, "memory_mb": 512, "guard": False, **extra}
-        found = []
+        found, seen, done = [], {}, threading.Event()
         real = sandbox._kernel_layers
         if abi:
             sandbox._kernel_layers = lambda: {**real(), "landlock": min(abi, real()["landlock"])}
             sandbox._isolation.cache_clear()
+        watch = threading.Thread(target=watch_cgroups,
+                                 args=(cgroup_children(sandbox) if name == "cgroup" else {}, seen,
+                                       done))
+        if name == "cgroup":
+            watch.start()
         try:
             os.chdir(cwd or spec["cwd"])
             r = sandbox.run_python(PRE + code,
@@ -677,11 +736,21 @@ def attack(sandbox, spec):
             escapes[name] = [f"run_python raised {type(e).__name__}: {str(e)[:200]}"]
             continue
         finally:
+            done.set()
+            if watch.is_alive():
+                watch.join()
             os.chdir(spec["cwd"])
             if abi:
                 sandbox._kernel_layers = real
                 sandbox._isolation.cache_clear()
         sandbox.wait_for_cleanup()
+        if name == "cgroup":
+            found += check_cgroup(sandbox, iso, spec, r.output, seen, kw)
+        if name == "memory_cgroup":
+            if not (iso.get("cgroup") or spec["cgroup_expected"]):
+                skipped[name] = "no cgroup here: the working dir's pages are bounded by its size"
+            elif r.error != "memory":
+                found.append(f"reported as {r.error}: {r.output[:200]}")
         found += [line for line in r.output.splitlines() if line.startswith("ESCAPE")]
         found += (["secret read"]
                   if spec["secret_text"] in r.output or "BASHRC-CANARY" in r.output else [])
@@ -764,6 +833,12 @@ def _world_python() -> str | None:
     return None
 
 
+def _cgroups_expected() -> bool:
+    # as root with the v1 memory and pids hierarchies (this machine has them): a cgroup per call
+    return os.geteuid() == 0 and all(os.access(f"/sys/fs/cgroup/{c}", os.W_OK)
+                                     for c in ("memory", "pids"))
+
+
 def _usr_twin(work: str) -> str:
     return os.path.join("/usr/local/share", os.path.basename(work))
 
@@ -838,7 +913,7 @@ def _attack(setup: str) -> dict:
         try:
             # no kill(-1) here: as root it would reach every process of the machine if it got out
             spec = {**_fixture_dirs(work, None), "namespaces": namespaces, "trainer": os.getpid(),
-                    "kill_all": False}
+                    "kill_all": False, "cgroup_expected": _cgroups_expected()}
             env = {}
             exec(HARNESS, env)
             old_home, old_cwd, old_tmp = os.environ.get("HOME"), os.getcwd(), tempfile.tempdir
@@ -866,7 +941,7 @@ def _attack(setup: str) -> dict:
     work = tempfile.mkdtemp(prefix="sandbox-attack-")
     try:
         spec = {**_fixture_dirs(work, uid), "namespaces": namespaces, "kill_all": as_spare,
-                "trainer": 0}
+                "trainer": 0, "cgroup_expected": not as_spare and _cgroups_expected()}
         shutil.copy(sandbox.__file__, os.path.join(work, "sandbox.py"))
         harness = os.path.join(work, "harness.py")
         with open(harness, "w") as f:
@@ -898,11 +973,12 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
          "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit",
-         "forge_rtsig", "usr_cwd"]
+         "forge_rtsig", "usr_cwd", "cgroup", "memory_cgroup"]
 
 
-# they try to undo the sandbox's mounts: set-up C has none
-MOUNT_CASES = ("umount_home", "remount_rw")
+# set-ups with namespaces only: they try to undo the sandbox's mounts (set-up C has none) or fill
+# the working dir's tmpfs
+MOUNT_CASES = ("umount_home", "remount_rw", "memory_cgroup")
 FLAT_CASES = ("abstract_bind",)  # harmless inside a network namespace: run in set-up C only
 
 
@@ -926,6 +1002,8 @@ def test_hostile_snippet_does_not_escape(setup, case):
         pytest.skip(f"an ordinary user gets set-up {got['_setup']} here, not user namespaces")
     if case not in got:
         pytest.skip(f"{case} needs root here (it writes under /usr)")
+    if case in got["_skip"]:
+        pytest.skip(f"set-up {setup}, {case}: {got['_skip'][case]}")
     assert got[case] == [], f"set-up {setup}, {case}: {got[case]}"
 
 
