@@ -70,9 +70,11 @@ Layers, each one independent of the others:
   device that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the
   runner exits the kernel kills every process left in it), a private mount namespace in which
   home directories and the trainer's working directory are covered by an empty tmpfs (the python
-  installation is bound back), so is /dev/pts (the trainer's terminals), and every mount is
-  read-only except the sandbox's own directory, the call's own tmpfs (nosuid, nodev): nothing
-  the code writes reaches the host's disk;
+  installation is bound back), so is /dev/pts (the trainer's terminals), and every mount the code
+  reaches (/sys too) is read-only except the sandbox's own directory, the call's own tmpfs (nosuid,
+  nodev), and its own /proc: nothing the code writes reaches the host's disk. A mount with flags a
+  user namespace may not clear (nosuid, nodev: Ubuntu's /dev/shm) is remounted with them kept,
+  else covered by an empty read-only tmpfs, else the call is not run;
 - a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory
   and the python installation (dir_fd included), writes outside the working directory,
   sockets and new processes. It is not a security boundary (ctypes goes around it);
@@ -202,12 +204,38 @@ def private_mounts():
         need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs",
                         MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755") == 0,
              "a cover over /dev/pts")
-    unescape = lambda m: bytes([int(m.group(1), 8)])  # /proc/self/mounts writes " " as \040
-    mounts = open("/proc/self/mounts", "rb").read().splitlines()
-    for t in [re.sub(rb"\\([0-7]{3})", unescape, line.split()[1]) for line in mounts]:
-        if t == wd.encode() or t.startswith((b"/proc", b"/sys")):
+    # Every mount the code can reach but its working dir and its /proc is made read-only: remounted
+    # with the flags it has (a user namespace may not clear nosuid, nodev, noexec or atime flags set
+    # outside it: Ubuntu's /dev/shm, /run/user/N), else covered by an empty read-only tmpfs, else
+    # the call is not run. A mount under a cover, or under another mount, is out of reach.
+    flag = {b"ro": MS_RDONLY, b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC,
+            b"noatime": 1024, b"nodiratime": 2048, b"relatime": 4096}
+    unescape = lambda m: bytes([int(m.group(1), 8)])  # mountinfo writes " " as \040
+
+    def mounts():  # {mount id: (mount point, flags)}
+        return {f[0]: (re.sub(rb"\\([0-7]{3})", unescape, f[4]),
+                       sum(flag.get(o, 0) for o in f[5].split(b",")))
+                for f in map(bytes.split, open("/proc/self/mountinfo", "rb").read().splitlines())}
+
+    def reached(t):  # (id, flags) of the mount the path t reaches; (None, 0): out of reach
+        try:
+            fd = os.open(t, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)  # no automount
+        except OSError:
+            return None, 0
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            mid = re.search(rb"mnt_id:\s*(\d+)", f.read())[1]
+        os.close(fd)
+        return mid, mounts()[mid][1]
+
+    for mid, (t, flags) in mounts().items():
+        if t == wd.encode() or t == b"/proc" or t.startswith(b"/proc/") or reached(t)[0] != mid:
             continue
-        libc.mount(b"none", t, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+        if not flags & MS_RDONLY:
+            libc.mount(b"none", t, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None)
+        if not reached(t)[1] & MS_RDONLY:
+            libc.mount(b"tmpfs", t, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                       b"size=4k,mode=0755")
+        need(reached(t)[1] & MS_RDONLY, f"a read-only {os.fsdecode(t)} (remounted or covered)")
 
 def drop_privileges():
     PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 24, 28, 47, 38

@@ -616,6 +616,20 @@ def cases(spec):
                         {}, "all"),
         # (not hostile) the real limit still reads as "cpu": from the CPU time the code used
         "cpu_limit": ("while True:\n    pass", {"cpu_s": 1, "timeout_s": 20}, "all"),
+        # (B) mounts with flags a user namespace may not clear (nosuid, nodev: /dev/shm,
+        # /run/user/N on Ubuntu; spec["locked"]) were left writable: every mount the code reaches
+        # is read-only but its working dir and its own /proc
+        "locked_mounts": ("for line in open('/proc/self/mountinfo'):\n"
+                          "    point = line.split()[4].replace('\\\\040', ' ')\n"
+                          "    if point in (os.getcwd(), '/proc') or point.startswith('/proc/'):\n"
+                          "        continue\n    try:\n        ro = os.statvfs(point).f_flag & 1\n"
+                          "    except OSError:\n        continue\n"
+                          "    print('ESCAPE writable mount', point) if not ro else None\n"
+                          f"p = {str(spec['locked']) + '/f'!r}\n"
+                          "if libc.chmod(p.encode(), 0o4755) == 0:\n    print('ESCAPE chmod', p)\n"
+                          "fd = libc.open(p.encode(), os.O_WRONLY | os.O_APPEND)\n"
+                          "if fd >= 0 and libc.write(fd, b'x', 1) == 1:\n"
+                          "    print('ESCAPE wrote', p)", {}, "ns"),
         # the call's own cgroup where the trainer may make one: the code is in it, its limits are
         # the call's, it is gone after the call (checked from the trainer's side, check_cgroup)
         "cgroup": ("print(open('/proc/self/cgroup').read())\ntime.sleep(1)", {"memory_mb": 300},
@@ -833,6 +847,26 @@ def _world_python() -> str | None:
     return None
 
 
+def _locked_mount(work: str, owner: int | None) -> str | None:
+    # as root: a tmpfs mounted nosuid,nodev (as Ubuntu's /dev/shm, /run/user/N), the trainer's,
+    # with a file of the trainer's; a user namespace may not clear those flags (None: not root)
+    path = os.path.join(work, "locked")
+    opts = "nosuid,nodev,size=1m,mode=0755" + (f",uid={owner},gid={owner}" if owner else "")
+    if os.geteuid() != 0 or os.mkdir(path) or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path]).returncode:
+        return None
+    with open(os.path.join(path, "f"), "w") as f:
+        f.write("the trainer's\n")
+    if owner is not None:
+        os.chown(os.path.join(path, "f"), owner, owner)
+    return path
+
+
+def _unmount(spec: dict) -> None:
+    if spec.get("locked"):
+        subprocess.run(["umount", "-l", spec["locked"]])
+
+
 def _cgroups_expected() -> bool:
     # as root with the v1 memory and pids hierarchies (this machine has them): a cgroup per call
     return os.geteuid() == 0 and all(os.access(f"/sys/fs/cgroup/{c}", os.W_OK)
@@ -913,7 +947,8 @@ def _attack(setup: str) -> dict:
         try:
             # no kill(-1) here: as root it would reach every process of the machine if it got out
             spec = {**_fixture_dirs(work, None), "namespaces": namespaces, "trainer": os.getpid(),
-                    "kill_all": False, "cgroup_expected": _cgroups_expected()}
+                    "kill_all": False, "cgroup_expected": _cgroups_expected(),
+                    "locked": _locked_mount(work, None)}
             env = {}
             exec(HARNESS, env)
             old_home, old_cwd, old_tmp = os.environ.get("HOME"), os.getcwd(), tempfile.tempdir
@@ -927,6 +962,7 @@ def _attack(setup: str) -> dict:
                 os.chdir(old_cwd)
                 if old_home is not None:
                     os.environ["HOME"] = old_home
+                _unmount(spec)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(_usr_twin(work), ignore_errors=True)
@@ -938,10 +974,11 @@ def _attack(setup: str) -> dict:
         pytest.skip("as root the unprivileged set-ups need setpriv and "
                     "an interpreter a spare uid can reach")
     uid = _spare_uid() if as_spare else None
-    work = tempfile.mkdtemp(prefix="sandbox-attack-")
+    work, spec = tempfile.mkdtemp(prefix="sandbox-attack-"), {}
     try:
         spec = {**_fixture_dirs(work, uid), "namespaces": namespaces, "kill_all": as_spare,
-                "trainer": 0, "cgroup_expected": not as_spare and _cgroups_expected()}
+                "trainer": 0, "cgroup_expected": not as_spare and _cgroups_expected(),
+                "locked": _locked_mount(work, uid) if namespaces else None}
         shutil.copy(sandbox.__file__, os.path.join(work, "sandbox.py"))
         harness = os.path.join(work, "harness.py")
         with open(harness, "w") as f:
@@ -961,6 +998,7 @@ def _attack(setup: str) -> dict:
                                                         f"{p.stderr[-3000:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
     finally:
+        _unmount(spec)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(_usr_twin(work), ignore_errors=True)
 
@@ -973,12 +1011,12 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
          "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit",
-         "forge_rtsig", "usr_cwd", "cgroup", "memory_cgroup"]
+         "forge_rtsig", "usr_cwd", "cgroup", "memory_cgroup", "locked_mounts"]
 
 
 # set-ups with namespaces only: they try to undo the sandbox's mounts (set-up C has none) or fill
 # the working dir's tmpfs
-MOUNT_CASES = ("umount_home", "remount_rw", "memory_cgroup")
+MOUNT_CASES = ("umount_home", "remount_rw", "memory_cgroup", "locked_mounts")
 FLAT_CASES = ("abstract_bind",)  # harmless inside a network namespace: run in set-up C only
 
 
