@@ -22,8 +22,9 @@ Layers, each one independent of the others:
 - wall-clock timeout, RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (any file), output past
   `file_size_mb` stops the call, RLIMIT_NOFILE, no core files; the working directory is bounded to
   `disk_mb` and `max_files`: with namespaces it is a tmpfs of that size (the kernel counts every
-  block and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds
-  the files the code holds open or mapped once unlinked; past the bound the call is stopped;
+  block and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms through
+  folder fds (never a path a symlink could redirect), each file once, and adds the files the code
+  holds open or mapped once unlinked (not a library it holds open); past the bound the call stops;
 - one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork,
   vfork, clone but of a thread that shares the file table (CLONE_THREAD | CLONE_FILES) and clone3
   (threads still work), so RLIMIT_AS, RLIMIT_CPU and RLIMIT_NOFILE hold for the call as a whole
@@ -412,6 +413,8 @@ def seccomp():
 # the call's cgroup, where the trainer made one: opened before /sys is made read-only, joined by the
 # child before it allocates anything
 cgroup = [libc.open(path.encode(), os.O_WRONLY | os.O_CLOEXEC) for path in cfg["cgroup"]]
+# the disk walk (C) holds a folder fd per level: up to max_files
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
 need(min(cgroup, default=0) >= 0, "the call's cgroup")
 if cfg["mounts"]:
     private_mounts()
@@ -423,27 +426,44 @@ def disk_over(pid):
         st = os.statvfs(wd)
         used, entries = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree - 1
         return used > limit or entries > cfg["max_files"]
-    # C: the working dir is on the host's disk: walked (read only: the runner changes nothing there,
-    # as a folder's path may be swapped for a symlink to a host folder), plus the files the code
-    # holds open or mapped once unlinked (O_TMPFILE too), which no walk sees
-    used, entries, todo, seen = 0, 0, [wd], set()
-    while todo:
-        d = todo.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    st = e.stat(follow_symlinks=False)
-                    used, entries = used + st.st_blocks * 512, entries + 1
-                    seen.add(st.st_ino)
-                    if stat.S_ISDIR(st.st_mode):
-                        todo.append(e.path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            # unreadable (seccomp keeps the owner's rwx) or past PATH_MAX: not measurable
-            return True
-        if used > limit or entries > cfg["max_files"]:
-            return True
+    # C: the working dir is on the host's disk: walked read only, through folder fds (a folder's name
+    # may be swapped for a symlink to a host folder: RENAME_EXCHANGE), names past PATH_MAX too, each
+    # file once however many links it has; plus the files the code holds open or mapped once
+    # unlinked (O_TMPFILE too), which no walk sees -- not a file with a name (a library held open)
+    used, entries, seen, frames = 0, 0, set(), []  # frames: (folder fd, subfolders left), a level
+    try:
+        frames.append((os.open(wd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), None))
+        while frames:
+            fd, subs = frames[-1]
+            if subs is None:
+                subs = []
+                frames[-1] = fd, subs
+                with os.scandir(fd) as it:
+                    for e in it:
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        used += 0 if st.st_ino in seen else st.st_blocks * 512
+                        entries += 1
+                        seen.add(st.st_ino)
+                        subs += [e.name] if stat.S_ISDIR(st.st_mode) else []
+                if used > limit or entries > cfg["max_files"]:
+                    return True
+            elif subs:
+                try:
+                    frames.append((os.open(subs.pop(), os.O_RDONLY | os.O_DIRECTORY
+                                           | os.O_NOFOLLOW, dir_fd=fd), None))
+                except OSError as e:
+                    if e.errno not in (2, 20, 40):  # gone, or now a file or a symlink
+                        raise
+            else:
+                os.close(frames.pop()[0])
+    except OSError:
+        return True  # unreadable (seccomp keeps the owner's rwx): not measurable
+    finally:
+        for fd, _ in frames:
+            os.close(fd)
     dev = os.stat(wd).st_dev
     try:
         for n in os.listdir(f"/proc/{pid}/fd") if pid else []:
@@ -451,7 +471,8 @@ def disk_over(pid):
                 st = os.stat(f"/proc/{pid}/fd/{n}")
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and st.st_dev == dev and st.st_ino not in seen:
+            if (stat.S_ISREG(st.st_mode) and not st.st_nlink and st.st_dev == dev
+                    and st.st_ino not in seen):
                 seen.add(st.st_ino)
                 used += st.st_blocks * 512
         maps = {}
@@ -461,7 +482,7 @@ def disk_over(pid):
             if len(f) > 5 and line.endswith(b"(deleted)") and int(f[4]) not in seen:
                 major, minor = (int(x, 16) for x in f[3].split(b":"))
                 if os.makedev(major, minor) == dev:
-                    start, end = (int(x, 16) for x in f[0].split("-"))
+                    start, end = (int(x, 16) for x in f[0].split(b"-"))
                     maps[int(f[4])] = max(maps.get(int(f[4]), 0), int(f[2], 16) + end - start)
         used += sum(maps.values())
     except OSError:

@@ -356,7 +356,7 @@ def test_without_kernel_isolation_code_is_refused_unless_the_risk_is_accepted(
 # so that it runs in both ways.
 
 HARNESS = r'''
-import json, os, resource, socket, subprocess, sys, threading, time
+import json, os, resource, socket, subprocess, sys, tempfile, threading, time
 
 PRE = "import ctypes, os, struct, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
@@ -630,6 +630,31 @@ def cases(spec):
                           "fd = libc.open(p.encode(), os.O_WRONLY | os.O_APPEND)\n"
                           "if fd >= 0 and libc.write(fd, b'x', 1) == 1:\n"
                           "    print('ESCAPE wrote', p)", {}, "ns"),
+        # (C) the runner's walk of the working dir (root in C-root): a folder swapped with a
+        # symlink to a host folder (RENAME_EXCHANGE) must not make it walk that folder (its 8 MB
+        # file, 2 MB allowed: a false "disk"); 300 folders walked first widen the race
+        "walk_swap": ("for i in range(300):\n    os.mkdir(f'x{i}')\n"
+                      f"os.mkdir('a')\nos.symlink({spec['bigdir']!r}, 'b')\nn, t0 = 0, time.time()\n"
+                      "while time.time() - t0 < 2:\n"
+                      "    n += libc.syscall(316, -100, b'a', -100, b'b', 2) == 0\n"
+                      "print('swapped', n > 0)", {"disk_mb": 2, "timeout_s": 4, "cpu_s": 3}, "all"),
+        # ... nor hard links (one 6 MB file, 21 names), names past PATH_MAX, or a library held open
+        # (the interpreter, ~7 MB, with 2 MB allowed; the working dir on its disk): none is writing
+        "hard_links": ("open('f', 'wb').write(b'x' * (6 << 20))\nfor i in range(20):\n"
+                       "    os.link('f', f'l{i}')\ntime.sleep(0.3)\nprint('linked')", {}, "all"),
+        "deep_names": ("for _ in range(30):\n    os.mkdir('d' * 200)\n    os.chdir('d' * 200)\n"
+                       "open('f', 'w').write('x')\ntime.sleep(0.3)\nprint('deep')", {}, "all"),
+        # (C) ... while a file mapped and closed, never linked, is (the runner read maps lines as
+        # text: a TypeError ended it, and the code ran on unwatched; A, B: a full tmpfs, SIGBUS)
+        "mapped_unlinked": ("libc.mmap.restype = ctypes.c_void_p\n"
+                            "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + "
+                            "[ctypes.c_int] * 3 + [ctypes.c_long]\n"
+                            "fd = os.open('.', os.O_TMPFILE | os.O_RDWR, 0o600)\n"
+                            "os.ftruncate(fd, 8 << 20)\na = libc.mmap(None, 8 << 20, 3, 1, fd, 0)\n"
+                            "os.close(fd)\nctypes.memset(a, 120, 8 << 20)\ntime.sleep(0.5)\n"
+                            "print('ESCAPE 8 MB mapped, never linked')", {"disk_mb": 4}, "flat"),
+        "held_library": ("f = open(os.path.realpath(sys.executable), 'rb')\ntime.sleep(0.3)\n"
+                         "print('held')", {"disk_mb": 2, "tmp": "/tmp"}, "all"),
         # the call's own cgroup where the trainer may make one: the code is in it, its limits are
         # the call's, it is gone after the call (checked from the trainer's side, check_cgroup)
         "cgroup": ("print(open('/proc/self/cgroup').read())\ntime.sleep(1)", {"memory_mb": 300},
@@ -731,6 +756,7 @@ def attack(sandbox, spec):
         # a kernel with an older Landlock: the ruleset the module builds there
         abi = extra.pop("abi", None)
         cwd = extra.pop("cwd", None)  # the trainer's working directory for this call
+        tmp, old_tmp = extra.pop("tmp", None), tempfile.tempdir  # where the call's folder is made
         kw = {"timeout_s": 3, "cpu_s": 2, "memory_mb": 512, "guard": False, **extra}
         found, seen, done = [], {}, threading.Event()
         real = sandbox._kernel_layers
@@ -744,12 +770,14 @@ def attack(sandbox, spec):
             watch.start()
         try:
             os.chdir(cwd or spec["cwd"])
+            tempfile.tempdir = tmp or old_tmp
             r = sandbox.run_python(PRE + code,
                                    sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw))
         except BaseException as e:
             escapes[name] = [f"run_python raised {type(e).__name__}: {str(e)[:200]}"]
             continue
         finally:
+            tempfile.tempdir = old_tmp
             done.set()
             if watch.is_alive():
                 watch.join()
@@ -758,6 +786,8 @@ def attack(sandbox, spec):
                 sandbox._kernel_layers = real
                 sandbox._isolation.cache_clear()
         sandbox.wait_for_cleanup()
+        if name in ("walk_swap", "hard_links", "deep_names", "held_library") and r.error:
+            found.append(f"reported as {r.error}: {r.output[:200]}")
         if name == "cgroup":
             found += check_cgroup(sandbox, iso, spec, r.output, seen, kw)
         if name == "memory_cgroup":
@@ -776,7 +806,7 @@ def attack(sandbox, spec):
                       if not top.startswith("/") or os.path.lexists(top) else [])
         if name in ("deep_tree", "disk_fill") and r.seconds > kw["timeout_s"] + 1.5:
             found.append(f"the call took {r.seconds:.1f} s with a {kw['timeout_s']} s timeout")
-        if name == "disk_fill" and r.error != "disk":
+        if name in ("disk_fill", "mapped_unlinked") and r.error != "disk":
             found.append(f"reported as {r.error}: {r.output[:200]}")
         if name.startswith("forge_") and r.error != "exit":
             found.append(f"forged {name[6:]} reported as {r.error}: {r.output[:200]}")
@@ -892,6 +922,9 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
         with open(path, "w") as f:
             f.write(text)
         os.chmod(path, mode)
+    os.mkdir(os.path.join(d["shared"], "big"))  # a host folder with an 8 MB file
+    with open(os.path.join(d["shared"], "big", "blob"), "wb") as f:
+        f.write(b"x" * (8 << 20))
     secret = f"TOP-SECRET-{uuid.uuid4().hex}"
     with open(os.path.join(d["shared"], "secret.txt"), "w") as f:
         f.write(secret)
@@ -911,6 +944,7 @@ def _fixture_dirs(work: str, owner: int | None) -> dict:
     return {"home": d["home"], "cwd": d["cwd"], "secret": os.path.join(d["shared"], "secret.txt"),
             "secret_text": secret, "socket": os.path.join(d["shared"], "host.sock"),
             "hostfile": os.path.join(d["shared"], "host.txt"),
+            "bigdir": os.path.join(d["shared"], "big"),
             "usr_cwd": usr if os.path.isdir(usr) else None,
             "mark": str(7000 + uuid.uuid4().int % 999)}
 
@@ -1011,13 +1045,15 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "abstract_bind", "setflags", "walk_chmod", "hidden_disk", "proc_stat", "proc_net", "getlk",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
          "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit",
-         "forge_rtsig", "usr_cwd", "cgroup", "memory_cgroup", "locked_mounts"]
+         "forge_rtsig", "usr_cwd", "cgroup", "memory_cgroup", "locked_mounts", "walk_swap",
+         "hard_links", "deep_names", "held_library", "mapped_unlinked"]
 
 
 # set-ups with namespaces only: they try to undo the sandbox's mounts (set-up C has none) or fill
 # the working dir's tmpfs
 MOUNT_CASES = ("umount_home", "remount_rw", "memory_cgroup", "locked_mounts")
-FLAT_CASES = ("abstract_bind",)  # harmless inside a network namespace: run in set-up C only
+# harmless inside a network namespace, or of C's disk walk: run in set-up C only
+FLAT_CASES = ("abstract_bind", "mapped_unlinked")
 
 
 # As root the trainer's own set-up C is C-root when a spare uid reaches its interpreter,
