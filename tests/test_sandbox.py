@@ -655,6 +655,20 @@ def cases(spec):
                             "print('ESCAPE 8 MB mapped, never linked')", {"disk_mb": 4}, "flat"),
         "held_library": ("f = open(os.path.realpath(sys.executable), 'rb')\ntime.sleep(0.3)\n"
                          "print('held')", {"disk_mb": 2, "tmp": "/tmp"}, "all"),
+        # two calls at once share nothing writable: the second writes where it can reach (the first
+        # call's folder among them), the first then finds its own folder as it left it
+        "concurrent": (("print('WD', os.getcwd())\nopen('mine', 'w').write('first')\n"
+                        "time.sleep(1.5)\nleft = sorted(os.listdir('.')), open('mine').read()\n"
+                        "print('ESCAPE the first call found', left) "
+                        "if left != (['mine'], 'first') else None",
+                        "print('WD', os.getcwd())\ntime.sleep(0.5)\ntop = os.path.dirname(os.getcwd())\n"
+                        "try:\n    near = [os.path.join(top, n) for n in os.listdir(top)]\n"
+                        "except OSError:\n    near = []\n"
+                        "for d in near + [top, '/tmp', '/var/tmp', '/dev/shm', '/run/lock']:\n"
+                        "    if d != os.getcwd():\n        try:\n"
+                        "            os.close(os.open(d + '/other-call', os.O_CREAT | os.O_WRONLY))\n"
+                        "            print('ESCAPE the second call wrote in', d)\n"
+                        "        except OSError:\n            pass"), {}, "all"),
         # the call's own cgroup where the trainer may make one: the code is in it, its limits are
         # the call's, it is gone after the call (checked from the trainer's side, check_cgroup)
         "cgroup": ("print(open('/proc/self/cgroup').read())\ntime.sleep(1)", {"memory_mb": 300},
@@ -771,8 +785,10 @@ def attack(sandbox, spec):
         try:
             os.chdir(cwd or spec["cwd"])
             tempfile.tempdir = tmp or old_tmp
-            r = sandbox.run_python(PRE + code,
-                                   sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw))
+            limits = sandbox.SandboxLimits(namespaces=spec["namespaces"], **kw)
+            rs = (sandbox.run_python_many([PRE + c for c in code], limits, len(code))
+                  if isinstance(code, tuple) else [sandbox.run_python(PRE + code, limits)])
+            r = rs[-1]
         except BaseException as e:
             escapes[name] = [f"run_python raised {type(e).__name__}: {str(e)[:200]}"]
             continue
@@ -795,7 +811,10 @@ def attack(sandbox, spec):
                 skipped[name] = "no cgroup here: the working dir's pages are bounded by its size"
             elif r.error != "memory":
                 found.append(f"reported as {r.error}: {r.output[:200]}")
-        found += [line for line in r.output.splitlines() if line.startswith("ESCAPE")]
+        found += [line for x in rs for line in x.output.splitlines() if line.startswith("ESCAPE")]
+        if name == "concurrent":
+            wds = {line for x in rs for line in x.output.splitlines() if line.startswith("WD /")}
+            found += [] if len(wds) == 2 else [f"working dirs {wds}"]
         found += (["secret read"]
                   if spec["secret_text"] in r.output or "BASHRC-CANARY" in r.output else [])
         if r.error == "refused" or "could not set up" in r.output:
@@ -1046,7 +1065,7 @@ CASES = ["umount_home", "remount_rw", "privileges", "ctypes_write", "read_home",
          "fadvise", "inherited_fds", "forge_200", "forge_152", "forge_137", "refused_calls",
          "odd_names", "forge_sigxcpu", "forge_sigxfsz", "cpu_limit",
          "forge_rtsig", "usr_cwd", "cgroup", "memory_cgroup", "locked_mounts", "walk_swap",
-         "hard_links", "deep_names", "held_library", "mapped_unlinked"]
+         "hard_links", "deep_names", "held_library", "mapped_unlinked", "concurrent"]
 
 
 # set-ups with namespaces only: they try to undo the sandbox's mounts (set-up C has none) or fill
