@@ -218,25 +218,30 @@ def private_mounts():
                        sum(flag.get(o, 0) for o in f[5].split(b",")))
                 for f in map(bytes.split, open("/proc/self/mountinfo", "rb").read().splitlines())}
 
-    def reached(t):  # (id, flags) of the mount the path t reaches; (None, 0): out of reach
+    def mount_id(t):  # of the mount the path t reaches (None: out of reach)
         try:
             fd = os.open(t, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)  # no automount
         except OSError:
-            return None, 0
+            return None
         with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
             mid = re.search(rb"mnt_id:\s*(\d+)", f.read())[1]
         os.close(fd)
-        return mid, mounts()[mid][1]
+        return mid
 
+    reached = []
     for mid, (t, flags) in mounts().items():
-        if t == wd.encode() or t == b"/proc" or t.startswith(b"/proc/") or reached(t)[0] != mid:
+        if t == wd.encode() or t == b"/proc" or t.startswith(b"/proc/") or mount_id(t) != mid:
             continue
+        reached.append((mid, t))
         if not flags & MS_RDONLY:
             libc.mount(b"none", t, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None)
-        if not reached(t)[1] & MS_RDONLY:
+    now = mounts()
+    for mid, t in reached:
+        if not now[mid][1] & MS_RDONLY:
             libc.mount(b"tmpfs", t, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                        b"size=4k,mode=0755")
-        need(reached(t)[1] & MS_RDONLY, f"a read-only {os.fsdecode(t)} (remounted or covered)")
+            need(mounts().get(mount_id(t), (t, 0))[1] & MS_RDONLY,
+                 f"a read-only {os.fsdecode(t)} (remounted or covered)")
 
 def drop_privileges():
     PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 24, 28, 47, 38
@@ -707,7 +712,10 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
             "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
             "max_files": limits.max_files, "open_files": limits.open_files,
             "nproc": limits.nproc, "unsafe": limits.unsafe,
-            "cgroup": [os.path.join(d, "cgroup.procs") for d in cgroup]}
+            # v1's tasks file moves one thread without the lock cgroup.procs takes (an RCU grace
+            # period, up to 15 ms here); the child has one thread when it joins
+            "cgroup": [os.path.join(d, "tasks" if os.path.exists(os.path.join(d, "tasks"))
+                                    else "cgroup.procs") for d in cgroup]}
 
 
 # A cgroup per call where the trainer may make one (v1: as root; v2: a subtree delegated to it):
