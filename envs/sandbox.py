@@ -210,7 +210,7 @@ def private_mounts():
     # outside it: Ubuntu's /dev/shm, /run/user/N), else covered by an empty read-only tmpfs, else
     # the call is not run. A mount under a cover, or under another mount, is out of reach.
     flag = {b"ro": MS_RDONLY, b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC,
-            b"noatime": 1024, b"nodiratime": 2048, b"relatime": 4096}
+            b"noatime": 1024, b"nodiratime": 2048, b"relatime": 4096, b"nosymfollow": 256}
     unescape = lambda m: bytes([int(m.group(1), 8)])  # mountinfo writes " " as \040
 
     def mounts():  # {mount id: (mount point, flags)}
