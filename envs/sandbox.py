@@ -22,13 +22,20 @@ Layers, each one independent of the others:
 - wall-clock timeout, RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (any file), output past
   `file_size_mb` stops the call, RLIMIT_NOFILE, no core files; the working directory is bounded to
   `disk_mb` and `max_files`: with namespaces it is a tmpfs of that size (the kernel counts every
-  block and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms and adds
-  the files the code holds open or mapped once unlinked; past the bound the call is stopped;
+  block and entry, unlinked and O_TMPFILE files too), in C the runner walks it every 50 ms through
+  folder fds (never a path a symlink could redirect), each file once, and adds the files the code
+  holds open or mapped once unlinked (not a library it holds open); past the bound the call stops;
 - one process per call: seccomp (x86-64 numbers; elsewhere reported missing) refuses fork,
   vfork, clone but of a thread that shares the file table (CLONE_THREAD | CLONE_FILES) and clone3
   (threads still work), so RLIMIT_AS, RLIMIT_CPU and RLIMIT_NOFILE hold for the call as a whole
-  without cgroups (which need root or a delegated systemd slice) and nothing can leave the process
-  group;
+  without a cgroup and nothing can leave the process group;
+- a cgroup per call where the trainer may make one (v1 memory and pids hierarchies: as root; v2: a
+  cgroup, its own at the root or its parent, that gives memory and pids to children, e.g. a
+  delegated systemd slice): the code's process alone, memory (kernel memory and the tmpfs pages of
+  its working directory too; memsw or swap 0 where there is swap accounting) the call's limit,
+  pids.max its thread limit; "memory" and the thread-limit verdict come from the cgroup's own
+  counts (oom_kill, pids' max events), and it is removed after the call. Without one the seccomp
+  refusals and rlimits above are the bound, and `isolation()["note"]` says so;
 - the rest of the seccomp filter: signals only to itself (kill, tgkill, sigqueue; no pidfd),
   no setsid or setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of
   itself only (prlimit64, sched_set*, setpriority), no io_uring (it would bypass the filter),
@@ -64,9 +71,11 @@ Layers, each one independent of the others:
   device that is down, so even 127.0.0.1 is unreachable), a private pid namespace (when the
   runner exits the kernel kills every process left in it), a private mount namespace in which
   home directories and the trainer's working directory are covered by an empty tmpfs (the python
-  installation is bound back), so is /dev/pts (the trainer's terminals), and every mount is
-  read-only except the sandbox's own directory, the call's own tmpfs (nosuid, nodev): nothing
-  the code writes reaches the host's disk;
+  installation is bound back), so is /dev/pts (the trainer's terminals), and every mount the code
+  reaches (/sys too) is read-only except the sandbox's own directory, the call's own tmpfs (nosuid,
+  nodev), and its own /proc: nothing the code writes reaches the host's disk. A mount with flags a
+  user namespace may not clear (nosuid, nodev: Ubuntu's /dev/shm) is remounted with them kept,
+  else covered by an empty read-only tmpfs, else the call is not run;
 - a python audit hook (`sys.addaudithook`) that refuses reads outside the working directory
   and the python installation (dir_fd included), writes outside the working directory,
   sockets and new processes. It is not a security boundary (ctypes goes around it);
@@ -196,12 +205,43 @@ def private_mounts():
         need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs",
                         MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755") == 0,
              "a cover over /dev/pts")
-    unescape = lambda m: bytes([int(m.group(1), 8)])  # /proc/self/mounts writes " " as \040
-    mounts = open("/proc/self/mounts", "rb").read().splitlines()
-    for t in [re.sub(rb"\\([0-7]{3})", unescape, line.split()[1]) for line in mounts]:
-        if t == wd.encode() or t.startswith((b"/proc", b"/sys")):
+    # Every mount the code can reach but its working dir and its /proc is made read-only: remounted
+    # with the flags it has (a user namespace may not clear nosuid, nodev, noexec or atime flags set
+    # outside it: Ubuntu's /dev/shm, /run/user/N), else covered by an empty read-only tmpfs, else
+    # the call is not run. A mount under a cover, or under another mount, is out of reach.
+    flag = {b"ro": MS_RDONLY, b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC,
+            b"noatime": 1024, b"nodiratime": 2048, b"relatime": 4096, b"nosymfollow": 256}
+    unescape = lambda m: bytes([int(m.group(1), 8)])  # mountinfo writes " " as \040
+
+    def mounts():  # {mount id: (mount point, flags)}
+        return {f[0]: (re.sub(rb"\\([0-7]{3})", unescape, f[4]),
+                       sum(flag.get(o, 0) for o in f[5].split(b",")))
+                for f in map(bytes.split, open("/proc/self/mountinfo", "rb").read().splitlines())}
+
+    def mount_id(t):  # of the mount the path t reaches (None: out of reach)
+        try:
+            fd = os.open(t, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)  # no automount
+        except OSError:
+            return None
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            mid = re.search(rb"mnt_id:\s*(\d+)", f.read())[1]
+        os.close(fd)
+        return mid
+
+    reached = []
+    for mid, (t, flags) in mounts().items():
+        if t == wd.encode() or t == b"/proc" or t.startswith(b"/proc/") or mount_id(t) != mid:
             continue
-        libc.mount(b"none", t, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+        reached.append((mid, t))
+        if not flags & MS_RDONLY:
+            libc.mount(b"none", t, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None)
+    now = mounts()
+    for mid, t in reached:
+        if not now[mid][1] & MS_RDONLY:
+            libc.mount(b"tmpfs", t, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                       b"size=4k,mode=0755")
+            need(mounts().get(mount_id(t), (t, 0))[1] & MS_RDONLY,
+                 f"a read-only {os.fsdecode(t)} (remounted or covered)")
 
 def drop_privileges():
     PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 24, 28, 47, 38
@@ -375,6 +415,12 @@ def seccomp():
     # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
     need(libc.prctl(22, L(2), fprog, L(0), L(0)) == 0, "seccomp")
 
+# the call's cgroup, where the trainer made one: opened before /sys is made read-only, joined by the
+# child before it allocates anything
+cgroup = [libc.open(path.encode(), os.O_WRONLY | os.O_CLOEXEC) for path in cfg["cgroup"]]
+# the disk walk (C) holds a folder fd per level: up to max_files
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+need(min(cgroup, default=0) >= 0, "the call's cgroup")
 if cfg["mounts"]:
     private_mounts()
 
@@ -385,27 +431,44 @@ def disk_over(pid):
         st = os.statvfs(wd)
         used, entries = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree - 1
         return used > limit or entries > cfg["max_files"]
-    # C: the working dir is on the host's disk: walked (read only: the runner changes nothing there,
-    # as a folder's path may be swapped for a symlink to a host folder), plus the files the code
-    # holds open or mapped once unlinked (O_TMPFILE too), which no walk sees
-    used, entries, todo, seen = 0, 0, [wd], set()
-    while todo:
-        d = todo.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    st = e.stat(follow_symlinks=False)
-                    used, entries = used + st.st_blocks * 512, entries + 1
-                    seen.add(st.st_ino)
-                    if stat.S_ISDIR(st.st_mode):
-                        todo.append(e.path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            # unreadable (seccomp keeps the owner's rwx) or past PATH_MAX: not measurable
-            return True
-        if used > limit or entries > cfg["max_files"]:
-            return True
+    # C: the working dir is on the host's disk: walked read only, through folder fds (a folder's name
+    # may be swapped for a symlink to a host folder: RENAME_EXCHANGE), names past PATH_MAX too, each
+    # file once however many links it has; plus the files the code holds open or mapped once
+    # unlinked (O_TMPFILE too), which no walk sees -- not a file with a name (a library held open)
+    used, entries, seen, frames = 0, 0, set(), []  # frames: (folder fd, subfolders left), a level
+    try:
+        frames.append((os.open(wd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), None))
+        while frames:
+            fd, subs = frames[-1]
+            if subs is None:
+                subs = []
+                frames[-1] = fd, subs
+                with os.scandir(fd) as it:
+                    for e in it:
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        used += 0 if st.st_ino in seen else st.st_blocks * 512
+                        entries += 1
+                        seen.add(st.st_ino)
+                        subs += [e.name] if stat.S_ISDIR(st.st_mode) else []
+                if used > limit or entries > cfg["max_files"]:
+                    return True
+            elif subs:
+                try:
+                    frames.append((os.open(subs.pop(), os.O_RDONLY | os.O_DIRECTORY
+                                           | os.O_NOFOLLOW, dir_fd=fd), None))
+                except OSError as e:
+                    if e.errno not in (2, 20, 40):  # gone, or now a file or a symlink
+                        raise
+            else:
+                os.close(frames.pop()[0])
+    except OSError:
+        return True  # unreadable (seccomp keeps the owner's rwx): not measurable
+    finally:
+        for fd, _ in frames:
+            os.close(fd)
     dev = os.stat(wd).st_dev
     try:
         for n in os.listdir(f"/proc/{pid}/fd") if pid else []:
@@ -413,7 +476,8 @@ def disk_over(pid):
                 st = os.stat(f"/proc/{pid}/fd/{n}")
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and st.st_dev == dev and st.st_ino not in seen:
+            if (stat.S_ISREG(st.st_mode) and not st.st_nlink and st.st_dev == dev
+                    and st.st_ino not in seen):
                 seen.add(st.st_ino)
                 used += st.st_blocks * 512
         maps = {}
@@ -423,7 +487,7 @@ def disk_over(pid):
             if len(f) > 5 and line.endswith(b"(deleted)") and int(f[4]) not in seen:
                 major, minor = (int(x, 16) for x in f[3].split(b":"))
                 if os.makedev(major, minor) == dev:
-                    start, end = (int(x, 16) for x in f[0].split("-"))
+                    start, end = (int(x, 16) for x in f[0].split(b"-"))
                     maps[int(f[4])] = max(maps.get(int(f[4]), 0), int(f[2], 16) + end - start)
         used += sum(maps.values())
     except OSError:
@@ -457,6 +521,7 @@ if pid:  # pid 1 of the namespace: watch, stop, reap, then report; exiting kills
     os._exit(0)
 
 # the child: only stdout and stderr are kept (not the verdict pipe, not the trainer's stop signal)
+need(all(libc.write(fd, b"0", 1) == 1 for fd in cgroup), "the call's cgroup")  # "0": itself
 null = os.open("/dev/null", os.O_RDONLY)
 os.dup2(null, 0)
 os.closerange(3, 1 << 16)
@@ -633,7 +698,7 @@ NO_KERNEL_LAYERS = {"landlock": 0, "seccomp": False}
 
 
 def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kernel: dict,
-            limits: SandboxLimits) -> dict:
+            limits: SandboxLimits, cgroup: list[str]) -> dict:
     # covered by an empty tmpfs: home directories and the trainer's working directory (the project,
     # its checkpoints, any .env) -- unless that is a system directory
     protect = sorted(set(map(os.path.realpath,
@@ -646,16 +711,108 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
             "guard": limits.guard, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
             "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
             "max_files": limits.max_files, "open_files": limits.open_files,
-            "nproc": limits.nproc, "unsafe": limits.unsafe}
+            "nproc": limits.nproc, "unsafe": limits.unsafe,
+            # v1's tasks file moves one thread without the lock cgroup.procs takes (an RCU grace
+            # period, up to 15 ms here); the child has one thread when it joins
+            "cgroup": [os.path.join(d, "tasks" if os.path.exists(os.path.join(d, "tasks"))
+                                    else "cgroup.procs") for d in cgroup]}
 
 
-def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict) -> bool:
-    wd = ""
+# A cgroup per call where the trainer may make one (v1: as root; v2: a subtree delegated to it):
+# memory (kernel memory and the working dir's tmpfs pages too, no swap) and tasks bounded and counted
+# by the kernel. Per version: (file, the limit it gets, required), {events file: its counter}.
+CGROUP = {"v1": ([("memory.limit_in_bytes", "memory", True), ("pids.max", "nproc", True),
+                  ("memory.memsw.limit_in_bytes", "memory", False),
+                  ("memory.kmem.limit_in_bytes", "memory", False)],
+                 {"memory.oom_control": "oom_kill", "pids.events": "max"}),
+          "v2": ([("memory.max", "memory", True), ("pids.max", "nproc", True),
+                  ("memory.swap.max", "none", False)],
+                 {"memory.events": "oom_kill", "pids.events": "max"})}
+_cgroup_names = itertools.count()
+
+
+@functools.cache
+def _cgroup_parents() -> tuple[str, tuple[str, ...]] | None:
+    """Where this process may make a cgroup per call: ("v1", (its memory cgroup, its pids cgroup)),
+    ("v2", (its cgroup, or the parent of it, that gives memory and pids to children)) or None."""
+    try:
+        own = {c: path for line in open("/proc/self/cgroup")
+               for _, cs, path in [line.rstrip("\n").split(":", 2)] for c in cs.split(",")}
+        dirs = {}  # controller ("" for v2): the folder of this process's cgroup
+        for line in open("/proc/self/mountinfo"):
+            left, right = line.split(" - ", 1)
+            root, point = left.split()[3:5]
+            fstype, _, opts = right.split()[:3]
+            names = opts.split(",") if fstype == "cgroup" else [""] if fstype == "cgroup2" else []
+            for c in set(names) & {"memory", "pids", ""} & set(own):
+                if root == "/" or (own[c] + "/").startswith(root + "/"):
+                    dirs[c] = os.path.normpath(point + own[c][len(root.rstrip("/")):])
+        if "memory" in dirs and "pids" in dirs:
+            found = ("v1", (dirs["memory"], dirs["pids"]))
+        else:  # v2: a cgroup with processes cannot give controllers to children, but the root
+            found = next(("v2", (d,)) for d in (dirs[""], os.path.dirname(dirs[""]))
+                         if {"memory", "pids"} <= set(
+                             open(os.path.join(d, "cgroup.subtree_control")).read().split()))
+    except (OSError, ValueError, KeyError, StopIteration):
+        return None
+    return found if all(os.access(d, os.W_OK) for d in found[1]) else None
+
+
+def _new_cgroup(limits: SandboxLimits) -> list[str]:
+    """The call's own cgroup (a folder per hierarchy), its limits set."""
+    version, parents = _cgroup_parents()
+    name, dirs = f"sandbox-{os.getpid()}-{next(_cgroup_names)}", []
+    value = {"memory": limits.memory_mb * MB, "nproc": limits.nproc, "none": 0}
+    try:
+        for parent in parents:
+            os.mkdir(os.path.join(parent, name), 0o755)
+            dirs.append(os.path.join(parent, name))
+        for file, what, required in CGROUP[version][0]:
+            path = next((os.path.join(d, file) for d in dirs
+                         if os.path.exists(os.path.join(d, file))), None)
+            try:
+                with open(path or os.path.join(dirs[0], file), "w") as f:
+                    f.write(str(value[what]))
+            except OSError:
+                if required:
+                    raise
+    except BaseException:
+        _remove_cgroup(dirs)
+        raise
+    return dirs
+
+
+def _cgroup_events(dirs: list[str]) -> dict:
+    """What the kernel counted in the call's cgroup: OOM kills ("oom") and tasks refused past
+    pids.max ("threads")."""
+    got = {"oom": 0, "threads": 0}
+    for d in dirs:
+        for file, key in CGROUP[_cgroup_parents()[0]][1].items():
+            try:
+                counts = dict(line.split() for line in open(os.path.join(d, file)))
+            except (OSError, ValueError):
+                continue
+            got["oom" if key == "oom_kill" else "threads"] += int(counts.get(key, 0))
+    return got
+
+
+def _remove_cgroup(dirs: list[str]) -> None:
+    for d in dirs:  # empty once the runner has reaped the code; a moment later where it was killed
+        for _ in range(100):
+            if _quietly(os.rmdir, d) or not os.path.exists(d):
+                break
+            time.sleep(0.01)
+
+
+def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict,
+           cgroup: bool = False) -> bool:
+    wd, limits, dirs = "", SandboxLimits(guard=False, unsafe=True), []
     try:
         wd = tempfile.mkdtemp(prefix="sandbox-probe-")
         if uid is not None:
             os.chown(wd, uid, uid)
-        cfg = _config(wd, uid, namespaces, mounts, kernel, SandboxLimits(guard=False, unsafe=True))
+        dirs = _new_cgroup(limits) if cgroup else []
+        cfg = _config(wd, uid, namespaces, mounts, kernel, limits, dirs)
         out, stop, verdict, _ = _execute(cfg, namespaces, b"print(6 * 7)", _sandbox_env(wd), 20,
                                          1 << 20, 100)
         return (stop is None and verdict is not None and verdict["status"] == 0
@@ -663,6 +820,7 @@ def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict) -
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
+        _remove_cgroup(dirs)
         if wd:
             _remove_tree(wd)
 
@@ -690,12 +848,14 @@ def _isolation(namespaces: bool) -> dict:
         for layers in [kernel] + ([NO_KERNEL_LAYERS] if kernel != NO_KERNEL_LAYERS else []):
             for uid in ([UID_BASE + UID_SPAN] if may_drop else []) + [None]:
                 if _probe(cmd, uid, mounts, layers):
-                    return _report(cmd, mounts, uid is not None, layers)
-    return {**_report([], False, False, NO_KERNEL_LAYERS),
+                    cgroup = bool(_cgroup_parents()) and _probe(cmd, uid, mounts, layers, True)
+                    return _report(cmd, mounts, uid is not None, layers,
+                                   _cgroup_parents()[0] if cgroup else "")
+    return {**_report([], False, False, NO_KERNEL_LAYERS, ""),
             "note": "the sandbox could not start python"}
 
 
-def _report(cmd: list[str], mounts: bool, drop_uid: bool, kernel: dict) -> dict:
+def _report(cmd: list[str], mounts: bool, drop_uid: bool, kernel: dict, cgroup: str) -> dict:
     files = mounts or kernel["landlock"] > 0  # the kernel keeps the code off the trainer's files
     processes = bool(cmd) or kernel["seccomp"]  # ... and off the trainer's processes
     # ... and the code is not uid 0, which owns the host's files by name (chmod, utime,
@@ -706,17 +866,21 @@ def _report(cmd: list[str], mounts: bool, drop_uid: bool, kernel: dict) -> dict:
               ("Landlock", kernel["landlock"] > 0), ("seccomp", kernel["seccomp"]),
               ("unprivileged uid", unprivileged)]
     missing = [name for name, ok in layers if not ok]
-    return {"namespaces": cmd, "mounts": mounts, "drop_uid": drop_uid,
-            "network_isolated": bool(cmd), "read_only_fs": mounts, "landlock": kernel["landlock"],
-            "seccomp": kernel["seccomp"], "kernel_isolated": files and processes and unprivileged,
-            "setup": ("A" if "--user" not in cmd else "B") if cmd else "C",
-            "note": ("missing: " + ", ".join(missing)
-                     + "; the python audit hook and rlimits still apply")
+    note = ("missing: " + ", ".join(missing) + "; the python audit hook and rlimits still apply"
             + ("" if unprivileged else "; as root without namespaces the code must run as a spare "
                f"uid, which cannot reach {sys.executable} (a folder on its path is closed to other "
                "users): run as an ordinary user, with namespaces, or with python where every user "
-               "can read it")
-            if missing else ""}
+               "can read it")) if missing else ""
+    if not cgroup:  # not a refusal: seccomp's refusals are the fallback
+        note += ("; " if note else "") + (
+            "no cgroup per call (v1 needs root, v2 a subtree delegated to the trainer): memory is "
+            "bounded by RLIMIT_AS and threads by RLIMIT_NPROC, seccomp refuses what they miss "
+            "(fork, memfd, SysV shm, sockets); kernel memory is not counted")
+    return {"namespaces": cmd, "mounts": mounts, "drop_uid": drop_uid,
+            "network_isolated": bool(cmd), "read_only_fs": mounts, "landlock": kernel["landlock"],
+            "seccomp": kernel["seccomp"], "kernel_isolated": files and processes and unprivileged,
+            "setup": ("A" if "--user" not in cmd else "B") if cmd else "C", "cgroup": cgroup,
+            "note": note}
 
 
 def refusal(iso: dict) -> str:
@@ -739,16 +903,19 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     if not iso["kernel_isolated"] and not limits.unsafe:
         return SandboxResult(f"Error: {refusal(iso)}", "refused", 0.0)
     uid = _next_uid() if iso["drop_uid"] else None
-    wd = ""
+    wd, cgroup = "", []
     try:  # a full disk (a temp folder) is an error line too, not an exception
         wd = tempfile.mkdtemp(prefix="sandbox-")
         if uid is not None:
             os.chown(wd, uid, uid)
-        cfg = _config(wd, uid, iso["namespaces"], iso["mounts"], iso, limits)
+        cgroup = _new_cgroup(limits) if iso.get("cgroup") else []
+        cfg = _config(wd, uid, iso["namespaces"], iso["mounts"], iso, limits, cgroup)
         out, stop, verdict, rc = _execute(cfg, iso["namespaces"],
                                           code.encode("utf-8", errors="replace"), _sandbox_env(wd),
                                           limits.timeout_s, limits.file_size_mb * MB,
                                           4 * limits.max_output_chars)
+        if verdict is not None:  # the runner has reaped the code: the cgroup's counts are final
+            verdict.update(_cgroup_events(cgroup))
         text = out.text(limits.max_output_chars)
         error, message = _classify(stop, verdict, rc, text, limits, time.time() - t0)
         if message:
@@ -759,6 +926,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     finally:
         if wd:  # off the caller's path: the call's time is its timeout plus a small constant
             _cleaner.submit(_remove_tree, wd)
+        if cgroup:
+            _cleaner.submit(_remove_cgroup, cgroup)
 
 
 MB = 1024 * 1024
@@ -1004,6 +1173,9 @@ def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limit
     if v.get("disk"):
         return "disk", (f"Error: the working directory went over its limit ({limits.disk_mb} MB, "
                         f"{limits.max_files} files and folders); stopped.")
+    if v.get("oom"):
+        return "memory", (f"Error: the code went over its memory limit ({limits.memory_mb} MB, as "
+                          "the call's cgroup counts it: kernel memory and files it wrote too).")
     sig = v["signal"]
     # RLIMIT_CPU ends in SIGXCPU, its hard limit in SIGKILL; the code may send either to itself, so
     # the CPU time it used says which. The kernel counts whole ticks for the limit, rusage the time
@@ -1020,6 +1192,8 @@ def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limit
                           "within its CPU limit.")
     if "MemoryError" in text:
         return "memory", ""
+    if v.get("threads") and (sig or v["status"]):
+        return "exit", f"Error: the code reached its limit of {limits.nproc} threads."
     if sig:
         return "exit", "" if text.strip() else (f"Error: the code ended with signal {sig} and "
                                                 "printed nothing.")
