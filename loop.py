@@ -673,7 +673,7 @@ def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stag
     warn_env_errors(f"evaluation {stage}", len(errors), len(eps), errors[:1])
     return {prefix + "success_rate": sum(e.won for e in eps) / len(eps),
             prefix + "reward_mean": sum(e.reward for e in eps) / len(eps),
-            prefix + "env_errors": len(errors)}
+            prefix + "env_errors": len(errors), prefix + "rollouts": len(eps)}
 
 
 def expert_rollouts(env, tokenizer, tasks: list, args: Args, eos_ids: set[int]) -> list[Rollout]:

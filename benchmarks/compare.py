@@ -234,10 +234,24 @@ def read_runs(root: str, algo: str) -> tuple[dict[str, dict[int, list[dict]]], i
         if arm not in ARMS[algo] or not seed.isdigit() or not os.path.isdir(os.path.join(folder, name)):
             continue
         if os.path.exists(os.path.join(folder, name, "done")):
-            runs[arm][int(seed)] = read_metrics(os.path.join(folder, name))
+            runs[arm][int(seed)] = with_eval_counts(os.path.join(folder, name))
         else:
             unfinished += 1
     return dict(runs), unfinished
+
+
+def with_eval_counts(folder: str) -> list[dict]:
+    """A run's metrics rows; a held-out row without its task count (loop.py logged none before
+    eval/rollouts, 2026-12-06) takes it from the run's args.json, --eval-tasks."""
+    rows = read_metrics(folder)
+    path = os.path.join(folder, "args.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            n = json.load(f).get("eval_tasks")
+        for row in rows:
+            for key in [k for k in row if k.endswith("success_rate") and k.startswith("eval")]:
+                row.setdefault(key.replace("success_rate", "rollouts"), n)
+    return rows
 
 
 def walkthrough_wins(folder: str) -> dict[str, list[int]]:

@@ -258,3 +258,13 @@ def test_trained_mean_skips_steps_that_took_no_gradient_step():
             {"step": 3, "clip_fraction": 0.1, "gradient_steps": 2}]
     assert compare.trained_mean("clip_fraction")(rows) == pytest.approx(0.15)
     assert compare.trained_mean("clip_fraction")(rows[1:2]) is None
+
+
+def test_a_loop_run_without_eval_rollouts_takes_its_count_from_args_json(tmp_path):
+    rows = [{"step": 0, "eval_cold_start/success_rate": 0.25},
+            {"step": 1, "success_rate": 0.5, "gradient_steps": 2},
+            {"step": 1, "eval/success_rate": 0.75}]
+    _run(tmp_path, "loop-demo", "rl-s7", rows, {})
+    (tmp_path / "loop-demo" / "rl-s7" / "args.json").write_text(json.dumps({"eval_tasks": 32}))
+    runs, _ = compare.read_runs(str(tmp_path), "loop-demo")
+    assert compare.held_out_gain(runs["rl"][7]) == 16  # (0.75 - 0.25) x 32
