@@ -35,7 +35,7 @@ AdamW, lr as the default) from the same rollouts, all questions in one batch, un
 each attribution under the other aggregation, to separate the two: the relative difference of the
 (unclipped) gradients and of the parameter updates Δθ, and max |Δθ_hard − Δθ_soft|.
 
-LOOP (`python loop.py`'s defaults: TextWorld level 2, cold start, K 4 × B 2): `loop.main` itself for
+LOOP (`python loop.py`'s defaults: TextWorld level 4, cold start, K 4 × B 8): `loop.main` itself for
 --loop-steps iterations (held-out evaluation on --loop-eval-tasks games only, to save time; it does not
 touch the training rollouts' seeds), read back from its metrics.jsonl: rollouts dropped by the |A| <
 threshold filter, rollouts whose environment failed, iterations the KL monitor abandoned.

@@ -36,7 +36,8 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
     common = ["--model", "tiny-random", "--steps", "1", "--eval-tasks", "2", "--threads", "1",
               "--out", str(out)]
     if script == "loop":
-        loop.main(["--env", "textworld", "--group-size", "2", "--tasks-per-step", "1", *common])
+        loop.main(["--env", "textworld", "--group-size", "2", "--tasks-per-step", "1", "--base-eval",
+                   "--cold-start-episodes", "2", *common])
         stages, before = ["base", "cold_start", "rl"], "cold_start"
     elif script == "arpo":
         arpo.main(["--env", "tools", "--group-size", "2", "--initial-rollouts", "2", "--tasks-per-step", "1",
