@@ -366,7 +366,8 @@ def test_rollout_on_tools_env_with_scripted_policy():
 
 TOY = ["--env", "toy", "--model", "tiny-random", "--backend", "hf", "--tasks-per-step", "2",
        "--group-size", "8", "--initial-rollouts", "4", "--max-new-tokens", "4", "--lr", "5e-2",
-       "--micro-batch-size", "16", "--eval-tasks", "1"]
+       "--micro-batch-size", "16", "--eval-tasks", "1",
+       "--max-minutes", "0"]  # ARPO's 14-minute budget would cut a run on a slow or busy machine
 
 
 def train_rewards(out) -> list[float]:
