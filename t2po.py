@@ -168,6 +168,14 @@ class Turn:
     intervened: bool = False  # TTI forced the action
     wasted_tokens: int = 0  # tokens generated past TTI's cut and dropped
     resamples: int = 0  # times TDS resampled the turn
+    # what the mechanisms saw, logged (not trained on)
+    gamma: float | None = None  # TDS's Γ_k for the turn's first sample (training, k > 0)
+    first_repeat: bool | None = None  # that first sample repeated the previous turn's action
+    first_valid: bool | None = None  # that first sample was well formed (training)
+    flatness: float | None = None  # the least mean |ΔM| over the thinking's windows past L_min
+    uncut_think_tokens: int | None = None  # a cut turn: the thinking's length with no cut, if known
+    uncut_same_action: bool | None = None  # a cut turn: the uncut sample wrote the same action
+    discarded: list = field(default_factory=list)  # texts TDS resampled away, in order
 
 
 @dataclass
@@ -197,6 +205,7 @@ class Response:  # one generated response (generate_turn), before it becomes a T
     intervened: bool = False  # TTI forced the action
     wasted: int = 0  # tokens generated past TTI's cut, dropped
     finished: bool = False  # the action is written (generate_turn's phase 1 needs no phase 2)
+    uncut_ids: list[int] | None = None  # TTI cut: the same sample uncut, when its call wrote it all
 
 
 TURN_TEMPLATE = ("Task: {task}\n{history}Step {step}. Observation: {observation}\n"
@@ -277,16 +286,20 @@ def uncertainty(entropies: list[float], confidences: list[float], alpha: float,
 FORCED_TEXT = "</think>\n<action>"  # the paper forces `</think>`, `\n`, `<action>`
 
 
+def flatness(m: list[float], t: int, window: int) -> float:
+    """mean_{s=t−N..t} |M_s − M_{s−1}|: how much M still moves at token t (TTI compares it to ε)."""
+    deltas = [abs(m[s] - m[s - 1]) for s in range(t - window, t + 1)]
+    return sum(deltas) / len(deltas)
+
+
 def tti_fire_index(m: list[float], *, min_think: int, max_think: int, window: int, epsilon: float,
                    start: int = 0) -> int | None:
     """First t ≥ start to cut after: t+1 = L_max, or t+1 ≥ L_min and mean_{t−N..t} |ΔM_s| < ε."""
     for t in range(start, len(m)):
         if t + 1 >= max_think:
             return t
-        if t + 1 >= min_think and t >= window + 1:
-            deltas = [abs(m[s] - m[s - 1]) for s in range(t - window, t + 1)]
-            if sum(deltas) / len(deltas) < epsilon:
-                return t
+        if t + 1 >= min_think and t >= window + 1 and flatness(m, t, window) < epsilon:
+            return t
     return None
 
 
@@ -328,6 +341,8 @@ def generate_turn(generator, tokenizer, prompts: list[list[int]], seeds: list[in
                                   window=args.tti_window, epsilon=args.tti_epsilon,
                                   start=done_before)
             if fire is not None:  # cut after token `fire`, force the transition to the action
+                if sample.finish_reason in ("eos", "stop") or len(all_ids) >= budget:
+                    out.uncut_ids = all_ids  # this call wrote the whole uncut response: logged
                 keep = fire + 1 - done_before
                 extend(out, sample, keep)
                 out.wasted += n_new - keep
@@ -376,12 +391,18 @@ def tds_phis(prev: Response, cur: Response, alpha: float) -> tuple[float, float]
     return turn_signal(m[:split]), turn_signal(m[split:])
 
 
-def tds_should_resample(prev: Response | None, cur: Response, args: Args) -> bool:
-    """Γ_k = |Φ_k − Φ_{k−1}| < η → resample (k > 0); as the official code, skip a Γ of 0."""
+def tds_gamma(prev: Response | None, cur: Response, alpha: float) -> float | None:
+    """Γ_k = |Φ_k − Φ_{k−1}|: how far the turn's uncertainty moved; None on the first turn."""
     if prev is None:
-        return False
-    phi_prev, phi = tds_phis(prev, cur, args.alpha)
-    return 0 < abs(phi - phi_prev) < args.tds_eta
+        return None
+    phi_prev, phi = tds_phis(prev, cur, alpha)
+    return abs(phi - phi_prev)
+
+
+def tds_should_resample(prev: Response | None, cur: Response, args: Args) -> bool:
+    """Γ_k < η → resample (k > 0); as the official code, skip a Γ of 0."""
+    gamma = tds_gamma(prev, cur, args.alpha)
+    return gamma is not None and 0 < gamma < args.tds_eta
 
 
 # ALGORITHM: the rollout, every episode a turn at a time, a turn generated as one batch: TTI inside
@@ -414,7 +435,8 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
         seeds = [turn_seed(args, step, train, keys[i], k, 0) for i in active]
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, tti=args.tti)
         outs = generate_turn(generator, tokenizer, prompts, seeds, args, **sampling)
-        resamples = [0] * len(active)
+        firsts = list(outs)  # each turn's first sample, for the logs
+        resamples, discarded = [0] * len(active), [[] for _ in active]
         if train and args.tds:  # TDS: same prompt, fresh seed, at most B_max times
             for attempt in range(1, args.tds_max_try + 1):
                 redo = [j for j, i in enumerate(active)
@@ -426,10 +448,13 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
                 new = generate_turn(generator, tokenizer, [prompts[j] for j in redo], redo_seeds,
                                     args, **sampling)
                 for j, o in zip(redo, new, strict=True):
+                    discarded[j].append(tokenizer.decode(outs[j].ids, skip_special_tokens=True))
                     outs[j], resamples[j] = o, resamples[j] + 1
         texts = [tokenizer.decode(o.ids, skip_special_tokens=True) for o in outs]
         admissible = [(infos[i].get("admissible_actions") or None) if args.inadmissible_invalid
                       else None for i in active]
+        logs = [first_sample_log(tokenizer, prev_out[i], firsts[j], history[i], admissible[j], args)
+                if train else {} for j, i in enumerate(active)]
         parsed = [parse_response(t, a) for t, a in zip(texts, admissible, strict=True)]
         acting = dict(zip(active, (action for action, _ in parsed), strict=True))
         results = pool.step([acting.get(i) for i in range(n)])  # None: the episode is over
@@ -438,13 +463,16 @@ def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args
             won = bool(info.get("won", False))
             outcome = won if args.reward == "success" else float(env_reward)
             out = outs[j]
+            uncut_think, uncut_same = uncut_outcome(tokenizer, out, action, admissible[j])
             episodes[i].turns.append(Turn(
                 prompt_ids=prompts[j], response_ids=out.ids, action_mask=out.action_mask,
                 anchor=obs[i], reward=args.success_reward * outcome if env_done else 0.0,
                 penalty=0.0 if valid else args.format_penalty, valid=valid,
                 admissible=bool(info.get("valid_action", True)), action=action,
                 observation=next_obs, think_tokens=out.think_tokens, intervened=out.intervened,
-                wasted_tokens=out.wasted, resamples=resamples[j]))
+                wasted_tokens=out.wasted, resamples=resamples[j], discarded=discarded[j],
+                flatness=think_flatness(out, args), uncut_think_tokens=uncut_think,
+                uncut_same_action=uncut_same, **logs[j]))
             history[i].append((obs[i], action))
             obs[i], infos[i], prev_out[i] = next_obs, info, out
             if env_done or info.get("error"):
@@ -459,8 +487,11 @@ def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Epi
     tasks = [task for _, task in mine for _ in range(args.group_size)]
     groups = [group for group, _ in mine for _ in range(args.group_size)]
     keys = [group * args.group_size + j for group, _ in mine for j in range(args.group_size)]
-    return rollout(r.generator, r.tokenizer, envs.pool, tasks, groups, args, step=step, train=True,
-                   temperature=args.temperature, keys=keys)
+    episodes = rollout(r.generator, r.tokenizer, envs.pool, tasks, groups, args, step=step,
+                       train=True, temperature=args.temperature, keys=keys)
+    if dist.is_main() and args.out:  # rank 0's episodes, TTI's cuts and TDS's resamples marked
+        run.write_transcripts(args, f"train/step_{step}", transcripts(r.tokenizer, episodes))
+    return episodes
 
 
 # ALGORITHM: the advantage, GiGPO's (verl-agent gigpo/core_gigpo.py, "mean_norm" default)
@@ -808,9 +839,42 @@ LOSS_STATS = ("loss", "clipped", "kl", "ratio_sum", "ratio_tokens", "k1", "k3", 
 # ==================================================================================================
 # SCAFFOLDING of T²PO's own: its metrics, evaluation, RFT's data, environments
 # ==================================================================================================
+def first_sample_log(tokenizer, prev: Response | None, first: Response, history: list,
+                     admissible: list[str] | None, args: Args) -> dict:
+    """What the logs keep of a training turn's first sample, before TDS: its Γ_k (k > 0), and
+    whether it repeated the previous turn's action or was ill-formed (what TDS should catch)."""
+    action, valid = parse_response(tokenizer.decode(first.ids, skip_special_tokens=True),
+                                   admissible)
+    gamma = tds_gamma(prev, first, args.alpha)
+    return dict(gamma=gamma, first_valid=valid,
+                first_repeat=None if gamma is None else bool(history) and action == history[-1][1])
+
+
+def think_flatness(out: Response, args: Args) -> float | None:
+    """The least window mean of |ΔM| past L_min in the turn's thinking (what TTI compares to ε:
+    below it, TTI cuts), or None for thinking shorter than that."""
+    n = out.think_tokens
+    m = uncertainty(out.entropies[:n], out.confidences[:n], args.alpha, causal=True)
+    first = max(args.tti_min_think - 1, args.tti_window + 1)
+    return min((flatness(m, t, args.tti_window) for t in range(first, len(m))), default=None)
+
+
+def uncut_outcome(tokenizer, out: Response, action: str,
+                  admissible: list[str] | None) -> tuple[int | None, bool | None]:
+    """A cut turn whose call wrote the uncut sample whole (the tail TTI dropped is that sample,
+    same prompt and seed): (its thinking tokens, whether it acts as the cut turn); else Nones."""
+    if not out.intervened or out.uncut_ids is None:
+        return None, None
+    end = first_prefix_containing(tokenizer, out.uncut_ids, "</think>")
+    think = (end - 1) if end is not None else len(out.uncut_ids)
+    text = tokenizer.decode(out.uncut_ids, skip_special_tokens=True)
+    return think, parse_response(text, admissible)[0] == action
+
+
 def episode_row(ep: Episode) -> dict:
     """An episode's figures for the metrics: a small record each rank sends to rank 0."""
     turns = ep.turns
+    known = [t for t in turns if t.uncut_think_tokens is not None]  # cut, the uncut sample known
     return {"won": ep.won, "score": ep.score, "reward": sum(t.reward - t.penalty for t in turns),
             "turns": len(turns), "tokens": sum(len(t.response_ids) for t in turns),
             "think_tokens": sum(t.think_tokens for t in turns),
@@ -818,7 +882,19 @@ def episode_row(ep: Episode) -> dict:
             "invalid": sum(not t.valid for t in turns),
             "inadmissible": sum(not t.admissible for t in turns),
             "tds_resamples": sum(t.resamples for t in turns),
-            "tti_wasted_tokens": sum(t.wasted_tokens for t in turns)}
+            "tds_resampled_turns": sum(t.resamples > 0 for t in turns),
+            "tti_wasted_tokens": sum(t.wasted_tokens for t in turns),
+            "tti_uncut_known": len(known),
+            "tti_uncut_think_tokens": sum(t.uncut_think_tokens for t in known),
+            "tti_cut_think_tokens": sum(t.think_tokens for t in known),
+            "tti_same_action": sum(bool(t.uncut_same_action) for t in known),
+            "tds_picked_repeats": sum(bool(t.first_repeat) for t in turns if t.resamples),
+            "tds_kept_repeats": sum(bool(t.first_repeat) for t in turns if not t.resamples),
+            "tds_picked_invalid": sum(t.first_valid is False for t in turns if t.resamples),
+            "tds_kept_invalid": sum(t.first_valid is False and t.gamma is not None
+                                    for t in turns if not t.resamples),
+            "gammas": [t.gamma for t in turns if t.gamma is not None],
+            "flatness": [t.flatness for t in turns if t.flatness is not None]}
 
 
 def episode_metrics(rows: list[dict], prefix: str = "") -> dict:
@@ -826,7 +902,9 @@ def episode_metrics(rows: list[dict], prefix: str = "") -> dict:
     won, score, reward = ((np.array([row[k] for row in rows], dtype=float) for k in
                            ("won", "score", "reward")) if rows else ([0.0],) * 3)
     counted = ("turns", "tokens", "think_tokens", "tti_interventions", "invalid", "inadmissible",
-               "tds_resamples", "tti_wasted_tokens")
+               "tds_resamples", "tti_wasted_tokens", "tds_resampled_turns", "tti_uncut_known",
+               "tti_uncut_think_tokens", "tti_cut_think_tokens", "tti_same_action",
+               "tds_picked_repeats", "tds_kept_repeats", "tds_picked_invalid", "tds_kept_invalid")
     total = {k: sum(row[k] for row in rows) for k in counted}
     turns = max(1, total["turns"])
     per_turn = {"tokens_per_turn": "tokens", "think_tokens_per_turn": "think_tokens",
@@ -836,8 +914,31 @@ def episode_metrics(rows: list[dict], prefix: str = "") -> dict:
            "score": float(np.mean(score)), "reward_mean": float(np.mean(reward)),
            "turns_per_episode": total["turns"] / max(1, len(rows)),
            **{name: total[key] / turns for name, key in per_turn.items()},
-           "tds_resamples": total["tds_resamples"], "tti_wasted_tokens": total["tti_wasted_tokens"]}
+           "tds_resamples": total["tds_resamples"], "tti_wasted_tokens": total["tti_wasted_tokens"],
+           "tds_resampled_turns": total["tds_resampled_turns"],
+           "tti_uncut_known": total["tti_uncut_known"], "tti_same_action": total["tti_same_action"],
+           "tti_uncut_think_tokens": total["tti_uncut_think_tokens"],
+           "tti_cut_think_tokens": total["tti_cut_think_tokens"],
+           "tds_picked_repeats": total["tds_picked_repeats"],
+           "tds_kept_repeats": total["tds_kept_repeats"],
+           "tds_picked_invalid": total["tds_picked_invalid"],
+           "tds_kept_invalid": total["tds_kept_invalid"], **signal_quantiles(rows)}
     return {prefix + k: v for k, v in out.items()}
+
+
+def signal_quantiles(rows: list[dict]) -> dict:
+    """Γ_k's quantiles over the turns it was measured on (training, k > 0; tds_eligible of them:
+    the turns TDS may resample), and the thinking flatness's (ε's scale): η and ε's rule."""
+    gammas = [g for row in rows for g in row["gammas"]]
+    flat = [f for row in rows for f in row["flatness"]]
+    out = {"tds_eligible": len(gammas)}
+    if gammas:
+        out.update(tds_gamma_p25=float(np.quantile(gammas, 0.25)),
+                   tds_gamma_p50=float(np.quantile(gammas, 0.5)))
+    if flat:
+        out.update(tti_flatness_p25=float(np.quantile(flat, 0.25)),
+                   tti_flatness_p50=float(np.quantile(flat, 0.5)))
+    return out
 
 
 def rollout_metrics(rollouts: list[Episode], samples: list[TrainingSample], args: Args) -> dict:
@@ -850,17 +951,55 @@ def rollout_metrics(rollouts: list[Episode], samples: list[TrainingSample], args
 
 def mechanism_summary(lines: list[dict], args: Args) -> str:
     """The run's last line on T²PO's own mechanisms, over the RL steps this process ran: the
-    training turns TTI cut and the turns TDS resampled."""
+    training turns TTI cut, the thinking tokens that saved against the same samples uncut (known
+    where the cut's own call wrote the whole sample) and whether those acted alike; the turns TDS
+    resampled of those it may resample (k > 0)."""
     steps = [line for line in lines if "rollouts" in line]
     if not steps:
         return "T²PO: no RL step ran"
+
+    def total(key: str) -> int:
+        return sum(int(line.get(key, 0)) for line in steps)
+
     turns = sum(round(line["rollouts"] * line["turns_per_episode"]) for line in steps)
     cut = sum(round(line["tti_interventions"] * line["rollouts"] * line["turns_per_episode"])
               for line in steps)
-    resampled = sum(int(line["tds_resamples"]) for line in steps)
+    uncut, known = total("tti_uncut_think_tokens"), total("tti_uncut_known")
+    saved = uncut - total("tti_cut_think_tokens")
+    eligible, picked = total("tds_eligible"), total("tds_resampled_turns")
     return (f"T²PO, {len(steps)} steps: TTI cut {cut} of {turns} training turns "
-            f"({cut / max(turns, 1):.0%}); TDS resampled {resampled} turns "
-            f"(TTI {'on' if args.tti else 'off'}, TDS {'on' if args.tds else 'off'})")
+            f"({cut / max(turns, 1):.0%}); on the {known} cuts whose uncut sample is known it "
+            f"saved {saved} of {uncut} thinking tokens ({saved / max(uncut, 1):.0%}), the same "
+            f"action in {total('tti_same_action')}; TDS resampled {picked} of {eligible} turns "
+            f"it may ({picked / max(eligible, 1):.0%}), whose first samples repeated the last "
+            f"action in {total('tds_picked_repeats')}, against {total('tds_kept_repeats')} of "
+            f"the {eligible - picked} it kept (TTI {'on' if args.tti else 'off'}, TDS "
+            f"{'on' if args.tds else 'off'})")
+
+
+def turn_mark(turn: Turn) -> str:
+    """What the mechanisms did to a turn, in words, for its transcript ("" if nothing)."""
+    marks = []
+    if turn.intervened:
+        uncut = ("" if turn.uncut_think_tokens is None else
+                 f" (uncut: {turn.uncut_think_tokens}, "
+                 f"{'the same' if turn.uncut_same_action else 'another'} action)")
+        marks.append(f"TTI cut the thinking after {turn.think_tokens} tokens{uncut}")
+    if turn.resamples:
+        marks.append(f"TDS resampled it {turn.resamples}x (Γ {turn.gamma:.3f})")
+    return "; ".join(marks)
+
+
+def transcripts(tokenizer, episodes: list[Episode]) -> list[dict]:
+    """Episodes as text for <out>/transcripts/: each turn's prompt, response, action, reply, and
+    `mark` (TTI's cut, TDS's resampling; `discarded`: the samples TDS threw away)."""
+    decode = tokenizer.decode
+    return [dict(task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
+                 turns=[dict(prompt=decode(t.prompt_ids), response=decode(t.response_ids),
+                             action=t.action, observation=t.observation, reward=t.reward,
+                             valid=t.valid, mark=turn_mark(t), discarded=t.discarded)
+                        for t in ep.turns])
+            for ep in episodes]
 
 
 def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stage: str,
@@ -873,12 +1012,7 @@ def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stag
                        top_p=args.eval_top_p, top_k=args.eval_top_k)
     m = {**episode_metrics([episode_row(ep) for ep in episodes], prefix),
          prefix + "time_s": time.time() - t0}
-    decode = r.tokenizer.decode
-    run.write_transcripts(args, stage, [dict(
-        task=ep.task, won=ep.won, score=ep.score, reward=sum(t.reward for t in ep.turns),
-        turns=[dict(prompt=decode(t.prompt_ids), response=decode(t.response_ids), action=t.action,
-                    observation=t.observation, reward=t.reward, valid=t.valid) for t in ep.turns])
-        for ep in episodes])
+    run.write_transcripts(args, stage, transcripts(r.tokenizer, episodes))
     who = "held-out" if prefix == "eval/" else prefix[:-1]
     run.say(f"[{stage}] {who} success {m[prefix + 'success_rate']:.3f}  score "
             f"{m[prefix + 'score']:.3f}  tokens/turn {m[prefix + 'tokens_per_turn']:.1f}  "

@@ -341,9 +341,9 @@ def on_main(evaluate: Callable[[], dict]) -> dict:
 def write_transcripts(args, stage: str, episodes: list[dict]) -> None:
     """An evaluation's episodes as text, one JSON line each, in <out>/transcripts/<stage>.jsonl (rank 0,
     which evaluates): what the agent saw and did (prompt, response, action, observation, reward)."""
-    folder = os.path.join(args.out, "transcripts")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"{stage.replace(' ', '_')}.jsonl"), "w") as f:
+    path = os.path.join(args.out, "transcripts", f"{stage.replace(' ', '_')}.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # a stage may name a subfolder: train/step_1
+    with open(path, "w") as f:
         f.writelines(json.dumps(ep, default=str) + "\n" for ep in episodes)
 
 
@@ -383,7 +383,8 @@ def show_transcripts(args, stages: list[str], width: int = 90) -> None:
         for k, turn in enumerate(ep["turns"]):
             reply = " ".join(re.sub(r"<\|[^|]*\|>", " ", str(turn.get("observation", ""))).split())
             action = str(turn.get("action") or turn.get("response", "")).strip()
-            print(f"  {k + 1}. {action!r:.{width // 2}} -> {reply:.{width}}")
+            mark = f"  [{turn['mark']}]" if turn.get("mark") else ""
+            print(f"  {k + 1}. {action!r:.{width // 2}} -> {reply:.{width}}{mark}")
     sys.stdout.flush()
 
 

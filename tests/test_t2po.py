@@ -762,7 +762,8 @@ def test_no_base_eval_plays_the_held_out_tasks_after_the_cold_start_and_rl_also_
     lines = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     assert [line["step"] for line in lines if "eval/rollouts" in line] == [1, 2]  # RL's: no base row
     assert sum("eval_cold_start/rollouts" in line for line in lines) == 1
-    assert sorted(os.listdir(f"{out}/transcripts")) == ["cold_start.jsonl", "rl.jsonl"]
+    assert sorted(os.listdir(f"{out}/transcripts")) == ["cold_start.jsonl", "rl.jsonl", "train"]
+    assert sorted(os.listdir(f"{out}/transcripts/train")) == ["step_1.jsonl", "step_2.jsonl"]
     counts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("held-out success")]
     assert len(counts) == 2 and all(line.split(": ")[1].startswith("cold_start ") for line in counts), counts
 
@@ -1020,6 +1021,101 @@ def test_tti_stops_at_action_close_even_without_think_close():
     assert outs[True].think_tokens == end and not outs[True].intervened
 
 
+def test_a_cut_in_a_call_that_wrote_the_whole_sample_knows_the_uncut_sample():
+    """TTI's cut drops the tail of the very sample TTI-off writes (same prompt and seed, one
+    call): the run logs that sample's thinking length and action for free. With a chunk shorter
+    than the sample, the uncut rest is never written, so nothing is claimed."""
+    script = "<think>" + "a" * 30 + "</think><action>go east</action>"
+    args = t2po.Args(max_new_tokens=100, tti_chunk=100, tti_min_think=10, tti_window=2,
+                     tti_epsilon=100.0, tti_max_think=1000)
+    tok = CharTokenizer()
+    [cut] = t2po.generate_turn(ScriptedGenerator(script), tok, [[1]], [0], args, temperature=1.0,
+                               tti=True)
+    [uncut] = t2po.generate_turn(ScriptedGenerator(script), tok, [[1]], [0], args,
+                                 temperature=1.0, tti=False)
+    assert cut.intervened and cut.think_tokens == 10  # t = 9: 10 tokens ≥ L_min, ε never missed
+    assert cut.uncut_ids == uncut.ids and tok.decode(uncut.ids) == script
+    assert t2po.uncut_outcome(tok, cut, "go east", None) == (uncut.think_tokens, True)
+    assert t2po.uncut_outcome(tok, cut, "go west", None) == (uncut.think_tokens, False)
+    assert t2po.uncut_outcome(tok, uncut, "go east", None) == (None, None)  # not cut
+    [chunked] = t2po.generate_turn(ScriptedGenerator(script), tok, [[1]], [0],
+                                   dataclasses.replace(args, tti_chunk=20), temperature=1.0,
+                                   tti=True)
+    assert chunked.intervened and chunked.uncut_ids is None
+    assert t2po.uncut_outcome(tok, chunked, "go east", None) == (None, None)
+
+
+def test_think_flatness_is_the_least_window_mean_past_l_min_by_hand():
+    # α = 1: M is the causal min-max of H: [0, 1, 0, 1, .5, .75]; |ΔM| from t = 1: 1, 1, 1, .5, .25
+    # N = 1: window means at t = 2..5: 1, 1, .75, .375
+    out = t2po.Response(entropies=[0, 1, 0, 1, 0.5, 0.75], confidences=[1.0] * 6, think_tokens=6)
+    for min_think, least in ((1, 0.375), (5, 0.375), (6, 0.375), (7, None)):
+        args = t2po.Args(alpha=1.0, tti_window=1, tti_min_think=min_think)
+        got = t2po.think_flatness(out, args)
+        assert got == least if least is None else got == pytest.approx(least), min_think
+    out.think_tokens = 5  # the thinking ends before t = 5: t = 2..4 left, least .75
+    assert t2po.think_flatness(out, t2po.Args(alpha=1.0, tti_window=1, tti_min_think=1)) == \
+        pytest.approx(0.75)
+
+
+def test_episode_metrics_sum_the_mechanism_counts_and_take_signal_quantiles_by_hand():
+    def turn(**kw):
+        return t2po.Turn([], [1, 2, 3], [1, 1, 1], **kw)
+
+    ep = t2po.Episode(task=0, group=0, turns=[
+        turn(gamma=None, flatness=0.2, first_valid=False),  # k = 0: no Γ, not TDS's to keep
+        turn(gamma=0.4, flatness=0.1, intervened=True, think_tokens=5, uncut_think_tokens=9,
+             uncut_same_action=True, resamples=2, first_repeat=True, first_valid=False),
+        turn(gamma=0.1, flatness=None, intervened=True, think_tokens=4,  # uncut unknown
+             first_repeat=True, first_valid=True),
+        turn(gamma=0.3, flatness=0.4, intervened=True, think_tokens=6, uncut_think_tokens=7,
+             uncut_same_action=False, first_repeat=False, first_valid=False)])
+    m = t2po.episode_metrics([t2po.episode_row(ep)])
+    assert m["tds_eligible"] == 3 and m["tds_resampled_turns"] == 1 and m["tds_resamples"] == 2
+    assert m["tti_uncut_known"] == 2 and m["tti_same_action"] == 1
+    assert m["tds_picked_repeats"] == 1 and m["tds_kept_repeats"] == 1
+    assert m["tds_picked_invalid"] == 1 and m["tds_kept_invalid"] == 1
+    assert m["tti_uncut_think_tokens"] == 16 and m["tti_cut_think_tokens"] == 11
+    # Γ sorted .1 .3 .4: p25 at position .5 → .2, p50 .3; flatness .1 .2 .4: p25 .15, p50 .2
+    assert m["tds_gamma_p25"] == pytest.approx(0.2) and m["tds_gamma_p50"] == pytest.approx(0.3)
+    assert m["tti_flatness_p25"] == pytest.approx(0.15)
+    assert m["tti_flatness_p50"] == pytest.approx(0.2)
+
+
+def test_first_sample_log_sees_a_repeat_and_an_ill_formed_sample():
+    tok = CharTokenizer()
+    args = t2po.Args()
+
+    def sample(text):
+        return t2po.Response(ids=tok(text)["input_ids"], entropies=[1.0, 2.0], confidences=[1.0, 0.5])
+
+    prev = sample("<think>a</think><action>go east</action>")
+    history = [("obs", "go east")]
+    log = t2po.first_sample_log(tok, prev, sample("<think>b</think><action>Go East</action>"),
+                                history, None, args)
+    assert log["first_repeat"] is True and log["first_valid"] is True and log["gamma"] is not None
+    log = t2po.first_sample_log(tok, prev, sample("<think>b</think><action>go west</action>"),
+                                history, ["go north"], args)  # inadmissible: ill-formed
+    assert log["first_repeat"] is False and log["first_valid"] is False
+    log = t2po.first_sample_log(tok, None, sample("<think>b</think><action>go east</action>"), [],
+                                None, args)  # k = 0: no Γ, no repeat to speak of
+    assert log == dict(gamma=None, first_valid=True, first_repeat=None)
+
+
+def test_transcripts_mark_a_cut_and_a_resampled_turn():
+    tok = CharTokenizer()
+    ep = t2po.Episode(task=0, group=0, turns=[
+        t2po.Turn([104], [105], [1], intervened=True, think_tokens=12, uncut_think_tokens=30,
+                  uncut_same_action=True),
+        t2po.Turn([104], [105], [1], resamples=1, gamma=0.0125, discarded=["<think>x"]),
+        t2po.Turn([104], [105], [1])])
+    turns = t2po.transcripts(tok, [ep])[0]["turns"]
+    assert turns[0]["mark"] == ("TTI cut the thinking after 12 tokens (uncut: 30, the same "
+                                "action)")
+    assert turns[1]["mark"] == "TDS resampled it 1x (Γ 0.013)"
+    assert turns[1]["discarded"] == ["<think>x"] and turns[2]["mark"] == ""
+
+
 # ---- TDS: Φ measures the turn's uncertainty, not its length (issue 14.2) -------------------------------
 
 def _turn(tokens):
@@ -1165,9 +1261,20 @@ def test_an_env_without_the_experts_hooks_is_refused_in_one_line_before_the_mode
 def test_the_mechanisms_summary_counts_cut_and_resampled_turns_by_hand():
     args = t2po.Args()
     lines = [  # 16 episodes x 4 turns: 8 of 64 turns cut; then 16 x 3: 12 of 48 cut
-        {"rollouts": 16, "turns_per_episode": 4.0, "tti_interventions": 0.125, "tds_resamples": 5},
-        {"rollouts": 16, "turns_per_episode": 3.0, "tti_interventions": 0.25, "tds_resamples": 7},
+        {"rollouts": 16, "turns_per_episode": 4.0, "tti_interventions": 0.125, "tds_resamples": 5,
+         "tds_resampled_turns": 4, "tds_eligible": 48, "tti_uncut_known": 6,
+         "tti_uncut_think_tokens": 240, "tti_cut_think_tokens": 150, "tti_same_action": 5,
+         "tds_picked_repeats": 1, "tds_kept_repeats": 3},
+        {"rollouts": 16, "turns_per_episode": 3.0, "tti_interventions": 0.25, "tds_resamples": 7,
+         "tds_resampled_turns": 7, "tds_eligible": 32, "tti_uncut_known": 10,
+         "tti_uncut_think_tokens": 400, "tti_cut_think_tokens": 250, "tti_same_action": 9,
+         "tds_picked_repeats": 2, "tds_kept_repeats": 4},
         {"eval/success_rate": 0.5}]  # not a step: left out
     text = t2po.mechanism_summary(lines, args)
-    assert "2 steps: TTI cut 20 of 112 training turns (18%); TDS resampled 12 turns" in text
+    # cuts 8 + 12 = 20 of 64 + 48; known 16, uncut 640 thinking tokens, cut 400: saved 240 (38%)
+    assert "2 steps: TTI cut 20 of 112 training turns (18%)" in text
+    assert "on the 16 cuts whose uncut sample is known it saved 240 of 640 thinking tokens " \
+           "(38%), the same action in 14" in text
+    assert "TDS resampled 11 of 80 turns it may (14%)" in text  # turns, not resamples (12)
+    assert "repeated the last action in 3, against 7 of the 69 it kept" in text
     assert t2po.mechanism_summary([], args) == "T²PO: no RL step ran"
