@@ -308,6 +308,14 @@ def execute_tool(env, tag: str, content: str) -> str:
     return env.execute_tool(tag, content)
 
 
+def encode_result(tokenizer, block: str) -> list[int]:
+    """A tool's `<result>` block as environment tokens: text only, never a special token. Its
+    chat-template markers are escaped already (`&lt;|im_end|>`: envs/tools.py, for every path);
+    split_special_tokens also keeps this tokenizer's other special tokens (SmolLM2's `<filename>`,
+    Llama 2's `</s>`) as text."""
+    return tokenizer.encode(block, add_special_tokens=False, split_special_tokens=True)
+
+
 def rollout(generator, tokenizer, env, prompts: list[list[int]], groups: list[int], args: Args,
             rng: np.random.Generator, *, step: int, train: bool) -> list[Rollout]:
     """ARPO (or global) rollouts of a batch of prompts (one per question): every finished one.
@@ -349,8 +357,7 @@ def rollout(generator, tokenizer, env, prompts: list[list[int]], groups: list[in
         if not content:  # `<python></python>`, or a closing tag without its opening one
             return None
         # the code's layout, the agent's tags in the output neutralized (envs/tools.py)
-        result = result_block(execute_tool(env, tag, content))
-        return tokenizer.encode(result, add_special_tokens=False)
+        return encode_result(tokenizer, result_block(execute_tool(env, tag, content)))
 
     m, n, z = (args.group_size, args.initial_rollouts, args.fork_z) if train else (1, 1, 0)
     if args.rollout == "global":
@@ -852,7 +859,8 @@ def demo_rollout(tokenizer, segments: list[tuple[str, int]], question: int = 0) 
     masked (`action_mask` 0), exactly as in the RL loss."""
     r = Rollout(question)
     for text, policy in segments:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = (tokenizer.encode(text, add_special_tokens=False) if policy
+               else encode_result(tokenizer, text))
         r.response_ids += ids
         r.action_mask += [policy] * len(ids)
     return r

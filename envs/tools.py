@@ -3,8 +3,8 @@
 One response interleaves thinking with tool calls. Generation pauses when a closing tool tag is
 produced; the tool runs, its output is inserted as `<result>...</result>` (environment tokens: mask them
 out of the loss) and generation continues, until `<answer>...\\boxed{...}...</answer>`. Inside a result
-the agent's tags are written `&lt;answer>`, `&lt;/result>`, ...: no output closes its block or forges
-an answer.
+the agent's tags and chat-template markers are written `&lt;answer>`, `&lt;/result>`, `&lt;|im_end|>`, ...:
+no output closes its block, forges an answer or a chat turn, or becomes a special token.
 
 API for a rollout that executes tools *inside* one response (arpo.py):
 
@@ -172,10 +172,12 @@ def pending_call(text: str) -> tuple[str, str] | None:
     return None
 
 
-# The tags format_check, score and pending_call read. Inside a result block each one's "<" is written
-# "&lt;": what code prints (or a passage says) can neither close its block nor forge a call, a
-# <think>, or an <answer> the scorer would take for the model's own.
-AGENT_TAG = re.compile(r"<(?=/?(?:think|answer|result|python|search)\b)")
+# The tags format_check, score and pending_call read, and the chat templates' markers (`<|im_end|>`,
+# `<|im_start|>`, `<|endoftext|>`: ChatML, SmolLM2, Qwen; Llama 3's `<|eot_id|>`). Inside a result block
+# each one's "<" is written "&lt;": what code prints (or a passage says) can neither close its block nor
+# forge a call, a <think>, or an <answer> the scorer would take for the model's own, and no tokenizer
+# (arpo.py's encode, a chat template's, vLLM's) reads a special token or a new chat turn in it.
+AGENT_TAG = re.compile(r"<(?=\||/?(?:think|answer|result|python|search)\b)")
 
 
 def result_block(output: str) -> str:
