@@ -34,7 +34,8 @@ Layers, each one independent of the others:
   delegated systemd slice): the code's process alone, memory (kernel memory and the tmpfs pages of
   its working directory too; memsw or swap 0 where there is swap accounting) the call's limit,
   pids.max its thread limit; "memory" and the thread-limit verdict come from the cgroup's own
-  counts (oom_kill, pids' max events), and it is removed after the call. Without one the seccomp
+  counts (oom_kill, pids' max events), and it is removed after the call (one a trainer killed
+  mid-call left, named by its creator, at the next trainer's set-up). Without one the seccomp
   refusals and rlimits above are the bound, and `isolation()["note"]` says so;
 - the rest of the seccomp filter: signals only to itself (kill, tgkill, sigqueue; no pidfd),
   no setsid or setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of
@@ -729,6 +730,39 @@ CGROUP = {"v1": ([("memory.limit_in_bytes", "memory", True), ("pids.max", "nproc
                   ("memory.swap.max", "none", False)],
                  {"memory.events": "oom_kill", "pids.events": "max"})}
 _cgroup_names = itertools.count()
+CGROUP_PREFIX = "sandbox-call-"  # + the creator (pid namespace, pid, start time) + a count
+
+
+def _start_time(pid: int | str) -> str | None:
+    """When process `pid` started (clock ticks since boot; None: no such process): with its pid it
+    names one process, though pids are reused."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _cgroup_creator() -> str:
+    return f"{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-{_start_time('self')}"
+
+
+def _remove_stale_cgroups(parents: tuple[str, ...]) -> None:
+    """The per-call cgroups a trainer killed mid-call left (its clean-up never ran): ours by name,
+    of this pid namespace, whose creator is gone (no process of that pid and start time) and which
+    hold no task. A cgroup named otherwise, or another pid namespace's, is never touched."""
+    ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    for parent in parents:
+        for name in os.listdir(parent):
+            creator = name[len(CGROUP_PREFIX):].split("-")
+            if (not name.startswith(CGROUP_PREFIX) or len(creator) != 4 or creator[0] != ns
+                    or not all(map(str.isdigit, creator)) or _start_time(creator[1]) == creator[2]):
+                continue
+            try:
+                if open(os.path.join(parent, name, "cgroup.procs")).read().strip():
+                    continue
+            except OSError:
+                continue
+            _quietly(os.rmdir, os.path.join(parent, name))
 
 
 @functools.cache
@@ -761,7 +795,7 @@ def _cgroup_parents() -> tuple[str, tuple[str, ...]] | None:
 def _new_cgroup(limits: SandboxLimits) -> list[str]:
     """The call's own cgroup (a folder per hierarchy), its limits set."""
     version, parents = _cgroup_parents()
-    name, dirs = f"sandbox-{os.getpid()}-{next(_cgroup_names)}", []
+    name, dirs = f"{CGROUP_PREFIX}{_cgroup_creator()}-{next(_cgroup_names)}", []
     value = {"memory": limits.memory_mb * MB, "nproc": limits.nproc, "none": 0}
     try:
         for parent in parents:
@@ -836,6 +870,11 @@ def _isolation(namespaces: bool) -> dict:
     root = os.geteuid() == 0
     unshare = shutil.which("unshare") if namespaces else None
     kernel = _kernel_layers()
+    if _cgroup_parents():
+        try:
+            _remove_stale_cgroups(_cgroup_parents()[1])
+        except OSError:
+            pass
     tries = []  # (namespaces, private mounts, may drop the uid), strongest first
     if unshare:
         ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]

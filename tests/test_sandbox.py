@@ -1149,3 +1149,80 @@ def test_a_full_disk_is_an_error_line_not_an_exception(monkeypatch):
     r = run_python("print(1)", FAST)
     assert r.error == "killed"
     assert r.output == "Error: could not start the sandbox: [Errno 28] No space left on device"
+
+
+KILLED_TRAINER = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+sandbox.isolation()  # its probes' cgroups come and go
+print("probed", flush=True)
+sandbox.run_python("import time; time.sleep(60)", sandbox.SandboxLimits(timeout_s=60))
+'''
+
+
+def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
+    # SIGKILL mid-call: the trainer's clean-up never runs and the call's cgroup stays; the next
+    # trainer's set-up removes it, and nothing else: not a cgroup named otherwise, not one whose
+    # creator lives, not one of another pid namespace, not one that holds a task
+    import shutil
+    import signal
+
+    import envs.sandbox as sandbox
+
+    if not (sandbox._cgroup_parents() and isolation().get("cgroup")):
+        pytest.skip("no cgroup per call here (v1 needs root, v2 a subtree delegated to the "
+                    "trainer): nothing to leave behind")
+    shutil.copy(sandbox.__file__, tmp_path / "sandbox.py")
+    parents = sandbox._cgroup_parents()[1]
+    before = {p: set(os.listdir(p)) for p in parents}
+    trainer = subprocess.Popen([sys.executable, "-I", "-c", KILLED_TRAINER, str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True)
+    sleeper, decoys, left = None, [], []
+    try:
+        assert trainer.stdout.readline() == "probed\n"
+        deadline = time.time() + 30
+        while time.time() < deadline and not left:  # the call's cgroup, the code in it
+            left = [os.path.join(p, n) for p in parents for n in set(os.listdir(p)) - before[p]
+                    if n.startswith(sandbox.CGROUP_PREFIX) and f"-{trainer.pid}-" in n]
+            if not all(_tasks(d) for d in left):
+                left = []
+            time.sleep(0.05)
+        assert left, "the trainer's call made no cgroup"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        deadline = time.time() + 10  # the runner sees its stdin end and kills the code
+        while time.time() < deadline and any(_tasks(d) for d in left):
+            time.sleep(0.05)
+        assert all(os.path.isdir(d) and not _tasks(d) for d in left), "no empty cgroup left"
+        dead = os.path.basename(left[0]).rsplit("-", 1)[0]
+        names = ["sandbox-1-0", f"{dead}-x", f"{sandbox.CGROUP_PREFIX}1-{trainer.pid}-1-0",
+                 f"{sandbox.CGROUP_PREFIX}{sandbox._cgroup_creator()}-999999", f"{dead}-999999"]
+        for p in parents:
+            for n in names:
+                os.mkdir(os.path.join(p, n))
+                decoys.append(os.path.join(p, n))
+        sleeper = subprocess.Popen(["sleep", "60"])
+        busy = [d for d in decoys if d.endswith(f"{dead}-999999")]
+        for d in busy:
+            with open(os.path.join(d, "cgroup.procs"), "w") as f:
+                f.write(str(sleeper.pid))
+        assert all(_tasks(d) for d in busy)
+        subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "import sandbox; sandbox.isolation()", str(tmp_path)], check=True,
+                       timeout=60)
+        assert not [d for d in left if os.path.exists(d)], "the killed trainer's cgroup stayed"
+        assert [d for d in decoys if os.path.isdir(d)] == decoys, "a cgroup not ours was removed"
+    finally:
+        for p in (trainer, sleeper):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        sandbox._remove_cgroup(decoys + left)
+
+
+def _tasks(cgroup: str) -> str:
+    try:
+        return open(os.path.join(cgroup, "cgroup.procs")).read().strip()
+    except OSError:
+        return ""
