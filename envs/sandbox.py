@@ -106,7 +106,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 # after the trainer asks the runner to stop the code: its time to do so and report
 STOP_GRACE_S = 2.0
@@ -558,18 +558,13 @@ def guard(event, args):
         raise PermissionError("sandbox: starting processes is disabled (one process per call)")
     if event == "socket.__new__":  # any socket, as seccomp: no network, no unix sockets
         raise PermissionError("sandbox: network access is disabled (no sockets)")
-    if event == "open":
+    if event == "open" and not isinstance(args[0], int):
         path, mode, flags = args
-        if isinstance(path, int):
-            return
-        writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-            mode is None
-            and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+        writes = any(c in str(mode) for c in "wax+") if mode is not None else flags & WRITES
         check(where(path), WRITE if writes else READ)
     elif event == "sandbox.open":  # os.open with a dir_fd (the "open" event does not carry it)
         path, flags, dir_fd = args
-        writes = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
-        check(where(path, dir_fd), WRITE if writes else READ)
+        check(where(path, dir_fd), WRITE if flags & WRITES else READ)
     elif event in ("os.listdir", "os.scandir") and args and args[0] is not None:
         check(where(args[0]), READ)
     elif event in WRITE_EVENTS:
@@ -598,6 +593,7 @@ WRITE_EVENTS = {"os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
                   "subprocess.Popen"}
 WRITE = [wd, "/dev/null"]
+WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 READ = [wd] + LIBRARY + [os.path.realpath(p) for p in (
     "/etc", "/dev/null", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/cpuinfo",
     "/proc/meminfo", "/sys/devices/system/cpu")]
@@ -627,25 +623,22 @@ del sys.argv[1:]
 if cfg["guard"]:
     os.open = posix.open = open_at
     sys.addaudithook(guard)
+status = 1
 try:
     run(code)
+    status = 0
 except MemoryError:
     sys.stdout.flush()
     print(f"MemoryError: the sandbox memory limit ({cfg['memory_mb']} MB) was exceeded",
           file=sys.stderr)
-    os._exit(1)
 except SystemExit as e:
-    sys.stdout.flush()
-    os._exit(e.code if isinstance(e.code, int) else 0)
+    status = e.code if isinstance(e.code, int) else 0
 except BaseException as e:
     sys.stdout.flush()
     report(e)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
 sys.stdout.flush()
 sys.stderr.flush()
-os._exit(0)
+os._exit(status)
 '''
 
 
@@ -657,15 +650,10 @@ def _sandbox_env(wd: str) -> dict[str, str]:
 
 
 def _world_traversable(path: str) -> bool:
-    # a dropped uid must be able to reach the python interpreter and its packages
-    path = os.path.realpath(path)
-    while True:
-        if not os.stat(path).st_mode & 0o001:
-            return False
-        parent = os.path.dirname(path)
-        if parent == path:
-            return True
-        path = parent
+    # a dropped uid must be able to reach the python interpreter and its packages: "x" for others
+    # on the path and every folder above it
+    parts = os.path.realpath(path).split("/")
+    return all(os.stat("/".join(parts[:i]) or "/").st_mode & 0o001 for i in range(1, len(parts) + 1))
 
 
 def _next_uid() -> int:
@@ -673,17 +661,8 @@ def _next_uid() -> int:
         return UID_BASE + next(_uid_counter) % UID_SPAN
 
 
-def _command(cfg: dict, namespaces: list[str]) -> list[str]:
-    # -u: what the code printed before the kernel killed it (SIGSYS, SIGKILL) is in the output
-    return [*namespaces, sys.executable, "-I", "-u", "-X", "utf8", "-c", RUNNER, json.dumps(cfg)]
-
-
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run",
                "/sbin", "/sys", "/usr", "/var")
-
-
-def _is_system_dir(path: str) -> bool:
-    return path == "/" or any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS)
 
 
 def _kernel_layers() -> dict:
@@ -706,13 +685,11 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
                              ["/root", "/home", os.path.expanduser("~"), os.getcwd()])))
     keep = [sys.prefix, sys.base_prefix, sys.exec_prefix,
             os.path.dirname(os.path.realpath(sys.executable))]
+    hide = [p for p in protect if p != "/" and not any(
+        p == d or p.startswith(d + "/") for d in SYSTEM_DIRS)]
     return {"wd": os.path.realpath(wd), "uid": uid, "mounts": mounts, "keep": keep,
-            "protect": protect, "hide": [p for p in protect if not _is_system_dir(p)],
-            "userns": "--user" in namespaces, **kernel,
-            "guard": limits.guard, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-            "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
-            "max_files": limits.max_files, "open_files": limits.open_files,
-            "nproc": limits.nproc, "unsafe": limits.unsafe,
+            "protect": protect, "hide": hide, "userns": "--user" in namespaces, **kernel,
+            **asdict(limits),
             # v1's tasks file moves one thread without the lock cgroup.procs takes (an RCU grace
             # period, up to 15 ms here); the child has one thread when it joins
             "cgroup": [os.path.join(d, "tasks" if os.path.exists(os.path.join(d, "tasks"))
@@ -746,12 +723,12 @@ def _cgroup_creator() -> str:
     return f"{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-{_start_time('self')}"
 
 
-def _remove_stale_cgroups(parents: tuple[str, ...]) -> None:
+def _remove_stale_cgroups() -> None:
     """The per-call cgroups a trainer killed mid-call left (its clean-up never ran): ours by name,
     of this pid namespace, whose creator is gone (no process of that pid and start time) and which
     hold no task. A cgroup named otherwise, or another pid namespace's, is never touched."""
     ns = str(os.stat("/proc/self/ns/pid").st_ino)
-    for parent in parents:
+    for parent in (_cgroup_parents() or ("", ()))[1]:
         for name in os.listdir(parent):
             creator = name[len(CGROUP_PREFIX):].split("-")
             if (not name.startswith(CGROUP_PREFIX) or len(creator) != 4 or creator[0] != ns
@@ -840,23 +817,14 @@ def _remove_cgroup(dirs: list[str]) -> None:
 
 def _probe(namespaces: list[str], uid: int | None, mounts: bool, kernel: dict,
            cgroup: bool = False) -> bool:
-    wd, limits, dirs = "", SandboxLimits(guard=False, unsafe=True), []
     try:
-        wd = tempfile.mkdtemp(prefix="sandbox-probe-")
-        if uid is not None:
-            os.chown(wd, uid, uid)
-        dirs = _new_cgroup(limits) if cgroup else []
-        cfg = _config(wd, uid, namespaces, mounts, kernel, limits, dirs)
-        out, stop, verdict, _ = _execute(cfg, namespaces, b"print(6 * 7)", _sandbox_env(wd), 20,
-                                         1 << 20, 100)
+        out, stop, verdict, _ = _call(b"print(6 * 7)", SandboxLimits(timeout_s=20, guard=False,
+                                      unsafe=True), namespaces, uid, mounts, kernel, cgroup,
+                                      lambda clean, what: clean(what))
         return (stop is None and verdict is not None and verdict["status"] == 0
                 and out.text().strip() == "42")
     except (OSError, subprocess.SubprocessError):
         return False
-    finally:
-        _remove_cgroup(dirs)
-        if wd:
-            _remove_tree(wd)
 
 
 def isolation(namespaces: bool = True) -> dict:
@@ -870,11 +838,7 @@ def _isolation(namespaces: bool) -> dict:
     root = os.geteuid() == 0
     unshare = shutil.which("unshare") if namespaces else None
     kernel = _kernel_layers()
-    if _cgroup_parents():
-        try:
-            _remove_stale_cgroups(_cgroup_parents()[1])
-        except OSError:
-            pass
+    _quietly(_remove_stale_cgroups)
     tries = []  # (namespaces, private mounts, may drop the uid), strongest first
     if unshare:
         ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
@@ -941,20 +905,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     iso = isolation(limits.namespaces)
     if not iso["kernel_isolated"] and not limits.unsafe:
         return SandboxResult(f"Error: {refusal(iso)}", "refused", 0.0)
-    uid = _next_uid() if iso["drop_uid"] else None
-    wd, cgroup = "", []
     try:  # a full disk (a temp folder) is an error line too, not an exception
-        wd = tempfile.mkdtemp(prefix="sandbox-")
-        if uid is not None:
-            os.chown(wd, uid, uid)
-        cgroup = _new_cgroup(limits) if iso.get("cgroup") else []
-        cfg = _config(wd, uid, iso["namespaces"], iso["mounts"], iso, limits, cgroup)
-        out, stop, verdict, rc = _execute(cfg, iso["namespaces"],
-                                          code.encode("utf-8", errors="replace"), _sandbox_env(wd),
-                                          limits.timeout_s, limits.file_size_mb * MB,
-                                          4 * limits.max_output_chars)
-        if verdict is not None:  # the runner has reaped the code: the cgroup's counts are final
-            verdict.update(_cgroup_events(cgroup))
+        # the folder and cgroup are removed off the caller's path: the call's time is its timeout
+        # plus a small constant
+        out, stop, verdict, rc = _call(code.encode("utf-8", errors="replace"), limits,
+                                       iso["namespaces"], _next_uid() if iso["drop_uid"] else None,
+                                       iso["mounts"], iso, bool(iso.get("cgroup")), _cleaner.submit)
         text = out.text(limits.max_output_chars)
         error, message = _classify(stop, verdict, rc, text, limits, time.time() - t0)
         if message:
@@ -962,11 +918,28 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         return SandboxResult(text.strip(), error, time.time() - t0)
     except OSError as e:
         return SandboxResult(f"Error: could not start the sandbox: {e}", "killed", time.time() - t0)
+
+
+def _call(code: bytes, limits: SandboxLimits, namespaces: list[str], uid: int | None, mounts: bool,
+          kernel: dict, cgroup: bool, cleanup) -> tuple[_Output, str | None, dict | None, int]:
+    """One call: its working dir (the code's uid's) and, where asked, its cgroup made, the code run
+    (`_execute`; the verdict with the cgroup's counts), both handed to cleanup(remove, what)."""
+    wd, dirs = "", []
+    try:
+        wd = tempfile.mkdtemp(prefix="sandbox-")
+        if uid is not None:
+            os.chown(wd, uid, uid)
+        dirs = _new_cgroup(limits) if cgroup else []
+        out, stop, verdict, rc = _execute(_config(wd, uid, namespaces, mounts, kernel, limits, dirs),
+                                          namespaces, code, limits)
+        if verdict is not None:  # the runner has reaped the code: the cgroup's counts are final
+            verdict.update(_cgroup_events(dirs))
+        return out, stop, verdict, rc
     finally:
-        if wd:  # off the caller's path: the call's time is its timeout plus a small constant
-            _cleaner.submit(_remove_tree, wd)
-        if cgroup:
-            _cleaner.submit(_remove_cgroup, cgroup)
+        if wd:
+            cleanup(_remove_tree, wd)
+        if dirs:
+            cleanup(_remove_cgroup, dirs)
 
 
 MB = 1024 * 1024
@@ -1000,8 +973,8 @@ class _Output:
                 f"{tail_s[len(tail_s) - max_chars // 3:]}")
 
 
-def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s: float, cap: int,
-             keep: int) -> tuple[_Output, str | None, dict | None, int | None]:
+def _execute(cfg: dict, namespaces: list[str], code: bytes, limits: SandboxLimits
+             ) -> tuple[_Output, str | None, dict | None, int | None]:
     """Run the runner: (the output, the trainer's own stop: None, "timeout" or "output", the
     runner's verdict or None, the exit status). stdout is a pipe the trainer reads (a file would
     be the code's to chmod, a set-uid executable on the host); the stop is asked of the runner,
@@ -1009,22 +982,24 @@ def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s
     vr, vw = os.pipe()
     cfg = {**cfg, "verdict_fd": vw}
     try:
-        proc = subprocess.Popen(_command(cfg, namespaces), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        # -u: what the code printed before the kernel killed it (SIGSYS, SIGKILL) is in the output
+        proc = subprocess.Popen([*namespaces, sys.executable, "-I", "-u", "-X", "utf8", "-c", RUNNER,
+                                 json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=_sandbox_env(cfg["wd"]),
                                 cwd=cfg["wd"], start_new_session=True, pass_fds=(vw,))
     except BaseException:
         os.close(vr)
         raise
     finally:
         os.close(vw)
-    out, stop, eof = _Output(keep), None, False
+    out, stop, eof = _Output(4 * limits.max_output_chars), None, False
     data = memoryview(len(code).to_bytes(8, "little") + code)
     sel = selectors.DefaultSelector()
     try:
         os.set_blocking(proc.stdin.fileno(), False)
         sel.register(proc.stdin, selectors.EVENT_WRITE)
         sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + limits.timeout_s
 
         def ask_to_stop(why: str) -> None:
             nonlocal stop, deadline
@@ -1057,7 +1032,7 @@ def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s
                     eof = True
                     break
                 out.add(chunk)
-                if stop is None and out.size > cap:
+                if stop is None and out.size > limits.file_size_mb * MB:
                     ask_to_stop("output")
         rc = proc.wait(timeout=STOP_GRACE_S) if eof else None
     except subprocess.TimeoutExpired:
@@ -1071,14 +1046,10 @@ def _execute(cfg: dict, namespaces: list[str], code: bytes, env: dict, timeout_s
                 f.close()
         os.set_blocking(vr, False)
         try:
-            raw = os.read(vr, 1 << 16)
-        except OSError:
-            raw = b""
+            verdict = json.loads(os.read(vr, 1 << 16) or b"null")
+        except (OSError, ValueError):
+            verdict = None
         os.close(vr)
-    try:
-        verdict = json.loads(raw) if raw else None
-    except ValueError:
-        verdict = None
     return out, stop, verdict, rc if rc is not None else proc.returncode
 
 
