@@ -9,12 +9,8 @@ Every call runs in its own process:
                                └─► child: rlimits, privileges dropped, chdir(fresh temp dir),
                                    Landlock, seccomp, python-level guard,
                                    exec(code) with the last expression printed
-The code's stdout and stderr are a pipe the trainer reads (a file would be the code's own,
-to chmod); the trainer stops a call by closing the runner's stdin, and the runner kills and reaps
-the code, so no process is left a zombie even where the trainer is PID 1 (Docker without --init).
-Verdicts come from the trainer's own timer and byte count and from the runner (the code's exit
-status or signal, its CPU time, the disk), on a pipe of the runner's the code does not hold: no exit
-status the code picks reads as "disk", "cpu" or "killed".
+The trainer reads the code's output on a pipe and stops a call by closing the runner's stdin; the
+runner kills and reaps the code and reports on a pipe the code does not hold (`_execute`, `RUNNER`).
 
 The three set-ups: (A) root with namespaces, (B) an ordinary user with user namespaces,
 (C) no namespaces (`SandboxLimits(namespaces=False)` forces C, for tests).
@@ -37,19 +33,12 @@ Layers, each one independent of the others:
   counts (oom_kill, pids' max events), and it is removed after the call (one a trainer killed
   mid-call left, named by its creator, at the next trainer's set-up). Without one the seccomp
   refusals and rlimits above are the bound, and `isolation()["note"]` says so;
-- the rest of the seccomp filter: signals only to itself (kill, tgkill, sigqueue; no pidfd),
-  no setsid or setpgid, no ptrace or process_vm_*, priorities, CPU affinity and rlimits of
-  itself only (prlimit64, sched_set*, setpriority), no io_uring (it would bypass the filter),
-  no mount/unshare/setns, no sockets at all (socket, socketpair: host unix sockets such as X11 and
-  D-Bus, fds in flight, buffers outside RLIMIT_AS), no AIO contexts or inotify; no SysV IPC, POSIX
-  message queues or memfd (memory outside RLIMIT_AS, objects that outlive the call), no xattr
-  writes, no file locks or leases (a channel between concurrent calls), no F_GETLK (it names a
-  host lock holder), no F_SETOWN (I/O signals to other processes), no file flags or attributes by
-  ioctl (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR), no page-cache eviction (fadvise DONTNEED, madvise
-  COLD/PAGEOUT), fallocate "not supported" (libc then writes, under RLIMIT_FSIZE); in C also no
-  chmod, chown or file times, no mkdir without rwx for the owner and no umask that takes them (the
-  runner walks every folder), and with Landlock ABI < 3 no truncate(path) (Landlock has no right
-  for these);
+- the rest of the seccomp filter (the runner's `seccomp()` gives the reason for each): signals,
+  priorities, CPU affinity and rlimits of itself only; no setsid/setpgid, pidfd, ptrace,
+  process_vm_*, io_uring, mount/unshare/setns, sockets, AIO, inotify, SysV IPC, POSIX message
+  queues, memfd, xattr writes, file locks or leases, F_GETLK, F_SETOWN, file flags by ioctl or
+  page-cache eviction; fallocate "not supported"; in C also no chmod, chown, file times, mkdir or
+  umask without rwx for the owner, and with Landlock ABI < 3 no truncate(path);
 - privileges dropped after the mounts are set up: as root (A) an unused uid per call, every
   capability and the bounding set gone; in a user namespace (B) a nested user namespace maps the
   code to uid 1000 and every capability is dropped, so the code is not root and cannot unmount
@@ -57,13 +46,11 @@ Layers, each one independent of the others:
   under /root): where it cannot, the code is not run (uid 0 may chmod, utime and truncate the
   host's files by name and is not bound by RLIMIT_NPROC); PR_SET_NO_NEW_PRIVS always. The child
   checks /proc/self/status before it runs;
-- Landlock (Linux >= 5.13, unprivileged): reads only of what python needs (its stdlib and import
-  path, the library folders /lib*, /usr/lib*, /usr/local/lib; not the rest of /usr, never a folder
-  holding a home or the trainer's working directory), a few /etc files, some of /proc/self (not
-  net, not task: without a network namespace the host's sockets; not /proc/stat: a fork counter),
-  the cpu topology and the working directory; writes only to the working directory and /dev/null;
-  no TCP bind/connect (ABI >= 4); no signals or abstract unix sockets out of the domain (ABI >= 6).
-  Kernel-enforced whatever path the code builds (dir_fd, /proc/self/root, ctypes);
+- Landlock (Linux >= 5.13, unprivileged): reads only of what python needs (`LIBRARY`, a few /etc
+  files, some of /proc/self, the cpu topology) and the working directory; writes only to the
+  working directory and /dev/null; no TCP bind/connect (ABI >= 4); no signals or abstract unix
+  sockets out of the domain (ABI >= 6). Kernel-enforced whatever path the code builds (dir_fd,
+  /proc/self/root, ctypes);
 - a fresh temporary working directory (also HOME and TMPDIR), a scrubbed environment; it is removed
   without recursion and without following symlinks, whatever the code left in it (deep trees,
   chmod 000 folders, the top one too), by a background thread (`wait_for_cleanup`), so a call
@@ -711,8 +698,7 @@ CGROUP_PREFIX = "sandbox-call-"  # + the creator (pid namespace, pid, start time
 
 
 def _start_time(pid: int | str) -> str | None:
-    """When process `pid` started (clock ticks since boot; None: no such process): with its pid it
-    names one process, though pids are reused."""
+    # when process `pid` started (clock ticks since boot): with its pid it names one process
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
@@ -725,21 +711,15 @@ def _cgroup_creator() -> str:
 
 def _remove_stale_cgroups() -> None:
     """The per-call cgroups a trainer killed mid-call left (its clean-up never ran): ours by name,
-    of this pid namespace, whose creator is gone (no process of that pid and start time) and which
-    hold no task. A cgroup named otherwise, or another pid namespace's, is never touched."""
+    of this pid namespace, whose creator is gone (no process of that pid and start time); the
+    kernel refuses to remove one that holds a task. Any other cgroup is never touched."""
     ns = str(os.stat("/proc/self/ns/pid").st_ino)
     for parent in (_cgroup_parents() or ("", ()))[1]:
         for name in os.listdir(parent):
             creator = name[len(CGROUP_PREFIX):].split("-")
-            if (not name.startswith(CGROUP_PREFIX) or len(creator) != 4 or creator[0] != ns
-                    or not all(map(str.isdigit, creator)) or _start_time(creator[1]) == creator[2]):
-                continue
-            try:
-                if open(os.path.join(parent, name, "cgroup.procs")).read().strip():
-                    continue
-            except OSError:
-                continue
-            _quietly(os.rmdir, os.path.join(parent, name))
+            if (name.startswith(CGROUP_PREFIX) and len(creator) == 4 and creator[0] == ns
+                    and all(map(str.isdigit, creator)) and _start_time(creator[1]) != creator[2]):
+                _quietly(os.rmdir, os.path.join(parent, name))  # EBUSY while it holds a task
 
 
 @functools.cache
