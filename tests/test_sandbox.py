@@ -1167,6 +1167,7 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
     # creator lives, not one of another pid namespace, not one that holds a task
     import shutil
     import signal
+    import tempfile
 
     import envs.sandbox as sandbox
 
@@ -1176,8 +1177,12 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
     shutil.copy(sandbox.__file__, tmp_path / "sandbox.py")
     parents = sandbox._cgroup_parents()[1]
     before = {p: set(os.listdir(p)) for p in parents}
+    # the killed trainer's working folder is left too: in a folder of the test's (a spare uid
+    # reaches it), removed after
+    tmp = tempfile.mkdtemp(prefix="sandbox-killed-")
+    os.chmod(tmp, 0o755)
     trainer = subprocess.Popen([sys.executable, "-I", "-c", KILLED_TRAINER, str(tmp_path)],
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": tmp})
     sleeper, decoys, left = None, [], []
     try:
         assert trainer.stdout.readline() == "probed\n"
@@ -1219,6 +1224,7 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
                 p.kill()
                 p.wait()
         sandbox._remove_cgroup(decoys + left)
+        shutil.rmtree(tmp)
 
 
 def _tasks(cgroup: str) -> str:
