@@ -61,6 +61,7 @@ ARMS = {
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
     "demo": {"rl": [], "lr0": ["--lr", "0"],  # make demo's run (the textworld preset), its control
+             "gigpo": ["--no-tti", "--no-tds"],  # the paper's baseline from the same cold start
              # a refused action counts invalid (the official ALFWorld projection's rule): without it a
              # step with no win rewarded the empty action `<action></action>` until every turn was one
              "t1-4x4-lr5e-6-cs4-mt4-inv": ["--probe-tasks", "8", *LEVEL4, "--inadmissible-invalid"],
@@ -215,7 +216,11 @@ METRICS["demo"] = HELD_OUT[:2] + [
     ("held-out games won, after − before RL", held_out_gain, 1),
     ("share of seeds where RL won more held-out games", rl_gained, 1),
     ("probe success (training tasks), after − before RL", probe_gain, 1),
-    ("training success, mean over steps", train_mean("success_rate"), 1)]
+    ("training success, mean over steps", train_mean("success_rate"), 1),
+    ("thinking tokens per turn, training (mean over steps) ↓", train_mean("think_tokens_per_turn"),
+     -1),
+    ("rollout seconds per step (mean) ↓", train_mean("time_rollout_s"), -1),
+    ("seconds of RL (time_s at the last step) ↓", train_last("time_s"), -1)]
 METRICS["loop-demo"] = METRICS["demo"]
 # algorithm -> the training metrics drawn as curves
 CURVES = {"demo": ["probe/success_rate", "success_rate"], "loop-demo": ["success_rate"],
