@@ -847,7 +847,7 @@ def first_sample_log(tokenizer, prev: Response | None, first: Response, history:
                                    admissible)
     gamma = tds_gamma(prev, first, args.alpha)
     return dict(gamma=gamma, first_valid=valid,
-                first_repeat=None if gamma is None else bool(history) and action == history[-1][1])
+                first_repeat=None if gamma is None else action == history[-1][1])
 
 
 def think_flatness(out: Response, args: Args) -> float | None:
@@ -901,10 +901,11 @@ def episode_metrics(rows: list[dict], prefix: str = "") -> dict:
     """Means over episodes (success, score, reward) and over turns (tokens, TTI, format), sums."""
     won, score, reward = ((np.array([row[k] for row in rows], dtype=float) for k in
                            ("won", "score", "reward")) if rows else ([0.0],) * 3)
+    reported = ("tds_resamples", "tti_wasted_tokens", "tds_resampled_turns", "tti_uncut_known",
+                "tti_same_action", "tti_uncut_think_tokens", "tti_cut_think_tokens",
+                "tds_picked_repeats", "tds_kept_repeats", "tds_picked_invalid", "tds_kept_invalid")
     counted = ("turns", "tokens", "think_tokens", "tti_interventions", "invalid", "inadmissible",
-               "tds_resamples", "tti_wasted_tokens", "tds_resampled_turns", "tti_uncut_known",
-               "tti_uncut_think_tokens", "tti_cut_think_tokens", "tti_same_action",
-               "tds_picked_repeats", "tds_kept_repeats", "tds_picked_invalid", "tds_kept_invalid")
+               *reported)  # reported: logged as the step's sums
     total = {k: sum(row[k] for row in rows) for k in counted}
     turns = max(1, total["turns"])
     per_turn = {"tokens_per_turn": "tokens", "think_tokens_per_turn": "think_tokens",
@@ -914,15 +915,7 @@ def episode_metrics(rows: list[dict], prefix: str = "") -> dict:
            "score": float(np.mean(score)), "reward_mean": float(np.mean(reward)),
            "turns_per_episode": total["turns"] / max(1, len(rows)),
            **{name: total[key] / turns for name, key in per_turn.items()},
-           "tds_resamples": total["tds_resamples"], "tti_wasted_tokens": total["tti_wasted_tokens"],
-           "tds_resampled_turns": total["tds_resampled_turns"],
-           "tti_uncut_known": total["tti_uncut_known"], "tti_same_action": total["tti_same_action"],
-           "tti_uncut_think_tokens": total["tti_uncut_think_tokens"],
-           "tti_cut_think_tokens": total["tti_cut_think_tokens"],
-           "tds_picked_repeats": total["tds_picked_repeats"],
-           "tds_kept_repeats": total["tds_kept_repeats"],
-           "tds_picked_invalid": total["tds_picked_invalid"],
-           "tds_kept_invalid": total["tds_kept_invalid"], **signal_quantiles(rows)}
+           **{key: total[key] for key in reported}, **signal_quantiles(rows)}
     return {prefix + k: v for k, v in out.items()}
 
 

@@ -62,19 +62,6 @@ import torch  # noqa: E402
 # T²PO
 
 
-def closest_to_firing(out, args) -> float | None:
-    """The smallest window mean of |ΔM| the ε rule saw in a response's thinking (tti_fire_index's test at
-    every token t it checks, t+1 ≥ L_min and t ≥ N+1, on the causal M); None: thinking too short to check."""
-    import t2po
-
-    m = t2po.uncertainty(out.entropies[:out.think_tokens], out.confidences[:out.think_tokens],
-                         args.alpha, causal=True)
-    w = args.tti_window
-    means = [sum(abs(m[s] - m[s - 1]) for s in range(t - w, t + 1)) / (w + 1)
-             for t in range(max(args.tti_min_think - 1, w + 1), len(m))]
-    return min(means) if means else None
-
-
 def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple[str, ...] = ()) -> dict:
     import t2po_tds
 
@@ -105,7 +92,7 @@ def t2po_mechanisms(tasks: int, group_size: int, threads: int, t2po_flags: tuple
                     kept_stats["tti_example_cut"] = dict(with_tti=text(o), without_tti=text(without[j]))
                 responses.append(dict(think=o.think_tokens, intervened=o.intervened,
                                       same_action=j not in without or action(o) == action(without[j]),
-                                      closest=closest_to_firing(o, args),
+                                      closest=t2po.think_flatness(o, args),
                                       by_cap=o.intervened and o.think_tokens >= max_think,
                                       think_without=without[j].think_tokens if j in without
                                       else o.think_tokens,
