@@ -84,9 +84,11 @@ import itertools
 import json
 import os
 import platform
+import re
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -695,6 +697,9 @@ CGROUP = {"v1": ([("memory.limit_in_bytes", "memory", True), ("pids.max", "nproc
                  {"memory.events": "oom_kill", "pids.events": "max"})}
 _cgroup_names = itertools.count()
 CGROUP_PREFIX = "sandbox-call-"  # + the creator (pid namespace, pid, start time) + a count
+WORKDIR_PREFIX = "sandbox-"  # + the creator + mkdtemp's 8 letters
+CGROUP_NAME = re.compile(CGROUP_PREFIX + r"(\d+)-(\d+)-(\d+)-\d+")
+WORKDIR_NAME = re.compile(WORKDIR_PREFIX + r"(\d+)-(\d+)-(\d+)-[a-z0-9_]{8}")
 
 
 def _start_time(pid: int | str) -> str | None:
@@ -709,17 +714,30 @@ def _cgroup_creator() -> str:
     return f"{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-{_start_time('self')}"
 
 
-def _remove_stale_cgroups() -> None:
-    """The per-call cgroups a trainer killed mid-call left (its clean-up never ran): ours by name,
-    of this pid namespace, whose creator is gone (no process of that pid and start time); the
-    kernel refuses to remove one that holds a task. Any other cgroup is never touched."""
+def _left_by_the_dead(name: str, pattern: re.Pattern, ns: str) -> bool:
+    # a name of `pattern` whose creator (_cgroup_creator) is of pid namespace ns and gone: no
+    # process of that pid and start time
+    match = pattern.fullmatch(name)
+    return bool(match) and match[1] == ns and _start_time(match[2]) != match[3]
+
+
+def _remove_stale() -> None:
+    """What a trainer killed mid-call left (its clean-up never ran), ours by name, of this pid
+    namespace, whose creator is gone: per-call cgroups (the kernel refuses to remove one that
+    holds a task) and working folders (owned by this uid or a spare one). Nothing else is
+    touched."""
     ns = str(os.stat("/proc/self/ns/pid").st_ino)
     for parent in (_cgroup_parents() or ("", ()))[1]:
         for name in os.listdir(parent):
-            creator = name[len(CGROUP_PREFIX):].split("-")
-            if (name.startswith(CGROUP_PREFIX) and len(creator) == 4 and creator[0] == ns
-                    and all(map(str.isdigit, creator)) and _start_time(creator[1]) != creator[2]):
+            if _left_by_the_dead(name, CGROUP_NAME, ns):
                 _quietly(os.rmdir, os.path.join(parent, name))  # EBUSY while it holds a task
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        if _left_by_the_dead(name, WORKDIR_NAME, ns):
+            st = os.lstat(os.path.join(tmp, name))  # a symlink is not ours
+            spare = UID_BASE <= st.st_uid <= UID_BASE + UID_SPAN  # the probe's uid is the last
+            if stat.S_ISDIR(st.st_mode) and (st.st_uid == os.geteuid() or spare):
+                _remove_tree(os.path.join(tmp, name))
 
 
 @functools.cache
@@ -818,7 +836,7 @@ def _isolation(namespaces: bool) -> dict:
     root = os.geteuid() == 0
     unshare = shutil.which("unshare") if namespaces else None
     kernel = _kernel_layers()
-    _quietly(_remove_stale_cgroups)
+    _quietly(_remove_stale)
     tries = []  # (namespaces, private mounts, may drop the uid), strongest first
     if unshare:
         ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
@@ -906,7 +924,7 @@ def _call(code: bytes, limits: SandboxLimits, namespaces: list[str], uid: int | 
     (`_execute`; the verdict with the cgroup's counts), both handed to cleanup(remove, what)."""
     wd, dirs = "", []
     try:
-        wd = tempfile.mkdtemp(prefix="sandbox-")
+        wd = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{_cgroup_creator()}-")
         if uid is not None:
             os.chown(wd, uid, uid)
         dirs = _new_cgroup(limits) if cgroup else []

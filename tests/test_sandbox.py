@@ -1204,6 +1204,7 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
         while time.time() < deadline and any(_tasks(d) for d in left):
             time.sleep(0.05)
         assert all(os.path.isdir(d) and not _tasks(d) for d in left), "no empty cgroup left"
+        assert [n for n in os.listdir(tmp) if sandbox.WORKDIR_NAME.fullmatch(n)], "no folder left"
         dead = os.path.basename(left[0]).rsplit("-", 1)[0]
         names = ["sandbox-1-0", f"{dead}-x", f"{sandbox.CGROUP_PREFIX}1-{trainer.pid}-1-0",
                  f"{sandbox.CGROUP_PREFIX}{sandbox._cgroup_creator()}-999999", f"{dead}-999999"]
@@ -1219,8 +1220,10 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
         assert all(_tasks(d) for d in busy)
         subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                         "import sandbox; sandbox.isolation()", str(tmp_path)], check=True,
-                       timeout=60)
+                       timeout=60, env={**os.environ, "TMPDIR": tmp})
         assert not [d for d in left if os.path.exists(d)], "the killed trainer's cgroup stayed"
+        assert not [n for n in os.listdir(tmp) if sandbox.WORKDIR_NAME.fullmatch(n)], (
+            "the killed trainer's working folder stayed")
         assert [d for d in decoys if os.path.isdir(d)] == decoys, "a cgroup not ours was removed"
     finally:
         for p in (trainer, sleeper):
@@ -1229,6 +1232,42 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
                 p.wait()
         sandbox._remove_cgroup(decoys + left)
         shutil.rmtree(tmp)
+
+
+def test_working_folders_a_killed_trainer_left_are_removed_and_nothing_else(tmp_path, monkeypatch):
+    # a trainer killed mid-call never removes its call's folder, named by its creator (pid
+    # namespace, pid, start time); the next set-up's sweep removes that one and nothing else: not
+    # a folder whose creator lives, of another pid namespace, named otherwise, a file, a symlink
+    import tempfile
+
+    import envs.sandbox as sandbox
+
+    gone = subprocess.Popen(["sleep", "60"])
+    start = sandbox._start_time(gone.pid)
+    gone.kill()
+    gone.wait()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    dead = f"{sandbox.WORKDIR_PREFIX}{ns}-{gone.pid}-{start}-"
+    tmp = tmp_path / "tmp"
+    left = tmp / f"{dead}abc_1234"
+    (left / "deep" / "er").mkdir(parents=True)
+    (left / "deep" / "file").write_text("the code's")
+    kept = [tmp / f"{sandbox.WORKDIR_PREFIX}{sandbox._cgroup_creator()}-abc_1234",
+            tmp / f"{sandbox.WORKDIR_PREFIX}{ns + 1}-{gone.pid}-{start}-abc_1234",
+            tmp / f"{sandbox.WORKDIR_PREFIX}{gone.pid}-{start}-abc_1234", tmp / f"{dead}abc",
+            tmp / "sandbox-abc_1234"]
+    for folder in kept:
+        folder.mkdir()
+    (tmp / f"{dead}file_123").write_text("not a folder")
+    target = tmp_path / "target"
+    (target / "keep").mkdir(parents=True)
+    (tmp / f"{dead}link_123").symlink_to(target)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    sandbox._remove_stale()
+    assert not left.exists(), "the dead trainer's folder stayed"
+    assert all(folder.is_dir() for folder in kept), "a folder not left by the dead was removed"
+    assert (tmp / f"{dead}file_123").read_text() == "not a folder"
+    assert (tmp / f"{dead}link_123").is_symlink() and (target / "keep").is_dir()
 
 
 def _tasks(cgroup: str) -> str:
