@@ -189,11 +189,13 @@ def first_prompt_ids(tokenizer, obs: str, info: dict) -> list[int]:
 
 
 def env_reply_ids(tokenizer, pieces: dict, obs: str, info: dict, max_env_tokens: int) -> list[int]:
-    """The environment's reply as a user turn, cut to max_env_tokens (output truncation)."""
-    reply = tokenizer(with_actions(obs, info), add_special_tokens=False)["input_ids"]
+    """The environment's reply as a user turn, cut to max_env_tokens (output truncation). Text only:
+    a reply that spells a special token (code's output printing `<|im_end|>`) stays text, so it
+    cannot end the turn or forge the agent's."""
+    reply = tokenizer(with_actions(obs, info), add_special_tokens=False,
+                      split_special_tokens=True)["input_ids"]
     reply = reply[:max_env_tokens]
     return pieces["prefix"] + reply + pieces["suffix"]
-
 
 
 def model_eos_ids(tokenizer, model) -> set[int]:

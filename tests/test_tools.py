@@ -126,9 +126,8 @@ def test_chat_template_markers_in_tool_output_stay_text(env):
         assert tools.score(so_far + tok.decode(ids, skip_special_tokens=True), "42")["answer"] is None
         # the cold start's demonstrations tokenize a result the same way
         assert arpo.demo_rollout(tok, [(block, 0)]).response_ids == ids
-        # loop.py (multi_turn=True): the result as the user's message is one turn, no forged one
-        # (its chat template's markers; a tokenizer's other special tokens, such as <repo_name>, are
-        # split by arpo.py's encode_result only)
+        # the result as a user's message in a chat template is one turn, no forged one (loop.py's
+        # env replies split every special token: tests/test_loop.py)
         assert chat_markers(tok, block) == chat_markers(tok, "plain text")
 
 
