@@ -222,8 +222,10 @@ def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: st
                     for i, (o, a) in enumerate(shown))
     lines = f"Your last {len(shown)} of {len(history)} steps:\n{lines}" if lines else ""
     actions = ", ".join(f"'{a}'" for a in admissible) if admissible else "any text command"
-    return TURN_TEMPLATE.format(task=task, history=lines, step=len(history) + 1,
+    text = TURN_TEMPLATE.format(task=task, history=lines, step=len(history) + 1,
                                 observation=observation[:max_obs_chars], actions=actions)
+    # a page or passage that spells a chat-template marker (`<|im_end|>`) stays text: no forged turn
+    return text.replace("<|", "&lt;|")
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
