@@ -710,12 +710,13 @@ def _start_time(pid: int | str) -> str | None:
         return None
 
 
-def _cgroup_creator() -> str:
+def _creator() -> str:
+    # what names a call's cgroup and working folder: pid namespace, pid, start time
     return f"{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-{_start_time('self')}"
 
 
 def _left_by_the_dead(name: str, pattern: re.Pattern, ns: str) -> bool:
-    # a name of `pattern` whose creator (_cgroup_creator) is of pid namespace ns and gone: no
+    # a name of `pattern` whose creator (_creator) is of pid namespace ns and gone: no
     # process of that pid and start time
     match = pattern.fullmatch(name)
     return bool(match) and match[1] == ns and _start_time(match[2]) != match[3]
@@ -770,7 +771,7 @@ def _cgroup_parents() -> tuple[str, tuple[str, ...]] | None:
 def _new_cgroup(limits: SandboxLimits) -> list[str]:
     """The call's own cgroup (a folder per hierarchy), its limits set."""
     version, parents = _cgroup_parents()
-    name, dirs = f"{CGROUP_PREFIX}{_cgroup_creator()}-{next(_cgroup_names)}", []
+    name, dirs = f"{CGROUP_PREFIX}{_creator()}-{next(_cgroup_names)}", []
     value = {"memory": limits.memory_mb * MB, "nproc": limits.nproc, "none": 0}
     try:
         for parent in parents:
@@ -924,7 +925,7 @@ def _call(code: bytes, limits: SandboxLimits, namespaces: list[str], uid: int | 
     (`_execute`; the verdict with the cgroup's counts), both handed to cleanup(remove, what)."""
     wd, dirs = "", []
     try:
-        wd = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{_cgroup_creator()}-")
+        wd = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{_creator()}-")
         if uid is not None:
             os.chown(wd, uid, uid)
         dirs = _new_cgroup(limits) if cgroup else []

@@ -1207,7 +1207,7 @@ def test_cgroups_a_killed_trainer_left_are_removed_at_the_next_set_up(tmp_path):
         assert [n for n in os.listdir(tmp) if sandbox.WORKDIR_NAME.fullmatch(n)], "no folder left"
         dead = os.path.basename(left[0]).rsplit("-", 1)[0]
         names = ["sandbox-1-0", f"{dead}-x", f"{sandbox.CGROUP_PREFIX}1-{trainer.pid}-1-0",
-                 f"{sandbox.CGROUP_PREFIX}{sandbox._cgroup_creator()}-999999", f"{dead}-999999"]
+                 f"{sandbox.CGROUP_PREFIX}{sandbox._creator()}-999999", f"{dead}-999999"]
         for p in parents:
             for n in names:
                 os.mkdir(os.path.join(p, n))
@@ -1252,7 +1252,7 @@ def test_working_folders_a_killed_trainer_left_are_removed_and_nothing_else(tmp_
     left = tmp / f"{dead}abc_1234"
     (left / "deep" / "er").mkdir(parents=True)
     (left / "deep" / "file").write_text("the code's")
-    kept = [tmp / f"{sandbox.WORKDIR_PREFIX}{sandbox._cgroup_creator()}-abc_1234",
+    kept = [tmp / f"{sandbox.WORKDIR_PREFIX}{sandbox._creator()}-abc_1234",
             tmp / f"{sandbox.WORKDIR_PREFIX}{ns + 1}-{gone.pid}-{start}-abc_1234",
             tmp / f"{sandbox.WORKDIR_PREFIX}{gone.pid}-{start}-abc_1234", tmp / f"{dead}abc",
             tmp / "sandbox-abc_1234"]
