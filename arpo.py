@@ -36,7 +36,7 @@ import math
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal
 
@@ -82,6 +82,10 @@ class Args(run.RunArgs):
         "exact (ours): the full-vocabulary entropy, a short segment scaled up to k")
     beta: float = opt("algorithm", 0.2, "beta: entropy weight in P = alpha + beta*dH")
     tau: float = opt("algorithm", 0.5, "tau: branch threshold (P > tau forks)")
+    beta_calibration: Literal["off", "spread"] = opt(
+        "algorithm", "off", "ours. spread: each step's beta = 1 / (p90 - p10) of dH at this run's "
+        "earlier tool results (--beta until 8 are seen), so that P(fork) moves by 1 across the "
+        "middle 80% of this model's dH, not by beta * 0.9 (paper: off, beta fixed)")
     fork_z: int = opt("algorithm", 1, "Z: partial rollouts forked when the rule fires", ge=0)
     max_tool_calls: int = opt("rollout", 3, "tool calls per rollout (code: 3-6, 5 said)", ge=0)
     stop_at_answer: bool = opt("rollout", True, "end the response at </answer> (ours; the code "
@@ -200,6 +204,8 @@ class Rollout:
     delta_h: list[float] = field(default_factory=list)  # dH at each tool result
     forked: list[bool] = field(default_factory=list)  # whether each of them forked
     could_fork: list[bool] = field(default_factory=list)  # whether its question had room then
+    p_fork: list[float] = field(default_factory=list)  # P(fork) the rule gave each of them
+    beta: float = 0.0  # the beta its branch decisions used
     group: int = 0  # its question's index among the step's tasks, on any rank (after scoring)
     prompt_ids: list[int] = field(default_factory=list)  # its question's prompt (after scoring)
     reward: float = 0.0  # the environment's reward for the whole response (after scoring)
@@ -213,7 +219,7 @@ def fork(parent: Rollout, parent_index: int, at: int, index: int) -> Rollout:
     child.response_ids = parent.response_ids[:at]
     child.action_mask = parent.action_mask[:at]
     child.parent, child.fork_point, child.probe = parent_index, at, False
-    child.delta_h, child.forked, child.could_fork = [], [], []
+    child.delta_h, child.forked, child.could_fork, child.p_fork = [], [], [], []
     child.shared_calls = dict(parent.tool_calls)  # it starts after a result: all calls so far
     return child
 
@@ -232,14 +238,15 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
         empty call, which ends the rollout (the code's rule).
     initial_rollouts = group_size and fork_z = 0 give trajectory-level sampling (GRPO).
     """
-    rollouts = [Rollout(q, index=j) for q in range(num_questions) for j in range(initial_rollouts)]
+    rollouts = [Rollout(q, index=j, beta=beta) for q in range(num_questions)
+                for j in range(initial_rollouts)]
     size = [initial_rollouts] * num_questions  # rollouts per question, live or done
     while True:
         # Budget rule: a question whose paths all ended with fewer than M gets fresh rollouts.
         live_questions = {r.question for r in rollouts if not r.done}
         for q in range(num_questions):
             if q not in live_questions and size[q] < group_size:
-                rollouts += [Rollout(q, index=j) for j in range(size[q], group_size)]
+                rollouts += [Rollout(q, index=j, beta=beta) for j in range(size[q], group_size)]
                 size[q] = group_size
         live = [i for i, r in enumerate(rollouts) if not r.done]
         if not live:
@@ -261,6 +268,7 @@ def adaptive_rollout(num_questions: int, *, group_size: int, initial_rollouts: i
                 r.delta_h.append(delta_h)
                 r.forked.append(fires)
                 r.could_fork.append(room)
+                r.p_fork.append(fork_probability(delta_h, beta, tau))
                 if fires:
                     z = min(fork_z, group_size - size[r.question])  # forks stop once M exist
                     rollouts += [fork(r, i, start, size[r.question] + j) for j in range(z)]
@@ -396,8 +404,31 @@ def play(r: run.Run, env, tasks: list, groups: list[int], args: Args, step: int,
 def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Rollout]:
     """The step's questions (this rank's), a tree of M scored responses each (GRPO: M apart)."""
     mine = step_tasks(envs.train_tasks, args, step)
-    return play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine], args, step,
-                train=True)
+    if args.beta_calibration == "off":
+        return play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine], args,
+                    step, train=True)
+    seen = r.extra.setdefault("delta_h", [])  # every rank's dH at tool results, checkpointed
+    step_args = replace(args, beta=step_beta(seen, args))
+    rollouts = play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine],
+                    step_args, step, train=True)
+    seen += [d for part in dist.all_gather_object([d for x in rollouts for d in x.delta_h])
+             for d in part]
+    return rollouts
+
+
+CALIBRATION_MIN = 8  # dH values --beta-calibration spread waits for
+
+
+def step_beta(seen: list[float], args: Args) -> float:
+    """The step's beta: --beta, or under --beta-calibration spread (ours) 1 / (p90 - p10) of the dH
+    values `seen` so far. P(fork) = clip(1 - tau + beta * dH, 0, 1) then rises by 1 (before the
+    clip) from dH's p10 to its p90: forks follow the entropy change wherever this model's dH lies
+    (a cold-started 135M model's spans ~0.9, so the paper's 0.2 moves P by ~0.2:
+    docs/results/arpo.md)."""
+    if len(seen) < CALIBRATION_MIN:
+        return args.beta
+    p10, p90 = np.quantile(seen, [0.1, 0.9])
+    return float(1.0 / (p90 - p10)) if p90 > p10 else args.beta
 
 
 # ALGORITHM: the advantage, GRPO's per question, attributed to the tree's tokens (soft | hard)
@@ -756,7 +787,8 @@ def response_row(r: Rollout) -> dict:
             "result_tokens": len(r.action_mask) - sum(r.action_mask),
             "calls": dict(r.tool_calls),
             "executed": sum(r.tool_calls[t] - r.shared_calls[t] for t in TOOL_TAGS),
-            "delta_h": list(r.delta_h), "forks": list(r.forked), "could_fork": list(r.could_fork)}
+            "delta_h": list(r.delta_h), "forks": list(r.forked), "could_fork": list(r.could_fork),
+            "p_fork": list(r.p_fork), "beta": r.beta}
 
 
 def response_metrics(rows: list[dict], num_questions: int, prefix: str = "") -> dict:
@@ -797,18 +829,19 @@ def fork_metrics(rows: list[dict], args: Args) -> dict:
     """The branch decisions a fork was possible at (its question had fewer than M responses): how
     many, the forks made, the mean P(fork) the rule gave them, and the forks made in the step's top
     and bottom quartile of dH (counts, so that a run's steps can be pooled)."""
-    pairs = [(d, f) for row in rows
-             for d, f, room in zip(row["delta_h"], row["forks"], row["could_fork"], strict=True)
-             if room]
-    out = {"branch/decisions": len(pairs), "branch/forks": sum(f for _, f in pairs)}
-    if not pairs:
+    decisions = [(d, f, p) for row in rows
+                 for d, f, room, p in zip(row["delta_h"], row["forks"], row["could_fork"],
+                                          row["p_fork"], strict=True)
+                 if room]
+    out = {"branch/decisions": len(decisions), "branch/forks": sum(f for _, f, _ in decisions),
+           "branch/beta": rows[0]["beta"] if rows else args.beta}
+    if not decisions:
         return out
-    dh = np.array([d for d, _ in pairs])
-    forks = np.array([f for _, f in pairs], dtype=float)
+    dh = np.array([d for d, _, _ in decisions])
+    forks = np.array([f for _, f, _ in decisions], dtype=float)
     low, high = np.quantile(dh, [0.25, 0.75])
     top, bottom = dh >= high, dh <= low
-    out.update({"branch/p_fork_mean": float(np.mean([fork_probability(d, args.beta, args.tau)
-                                                     for d in dh])),
+    out.update({"branch/p_fork_mean": float(np.mean([p for _, _, p in decisions])),
                 "branch/top_quartile_decisions": int(top.sum()),
                 "branch/top_quartile_forks": int(forks[top].sum()),
                 "branch/bottom_quartile_decisions": int(bottom.sum()),
@@ -837,6 +870,9 @@ def mechanism_summary(lines: list[dict], args: Args) -> str:
                  f"{pooled['top_quartile_forks']} of {pooled['top_quartile_decisions']} in a "
                  f"step's top dH quartile, {pooled['bottom_quartile_forks']} of "
                  f"{pooled['bottom_quartile_decisions']} in its bottom one")
+    betas = [line["branch/beta"] for line in steps if "branch/beta" in line]
+    if args.beta_calibration != "off" and betas:
+        text += f"; beta (--beta-calibration spread) {min(betas):.2f} to {max(betas):.2f}"
     return text
 
 

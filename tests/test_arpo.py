@@ -987,24 +987,31 @@ def test_the_mechanisms_summary_averages_forks_calls_and_the_entropy_change_by_h
 
 def test_fork_metrics_count_decisions_with_room_and_the_quartiles_by_hand():
     args = arpo.Args(beta=0.2, tau=0.5)
+    # P(fork) as the rollout recorded it, clip(1 - 0.5 + 0.2 dH, 0, 1): 0.3, 0.5, 0.9; 0.7, 1.0
     rows = [{"delta_h": [-1.0, 0.0, 2.0], "forks": [False, True, True],
-             "could_fork": [True, True, True]},
-            {"delta_h": [1.0, 5.0], "forks": [False, False], "could_fork": [True, False]}]
+             "could_fork": [True, True, True], "p_fork": [0.3, 0.5, 0.9], "beta": 0.2},
+            {"delta_h": [1.0, 5.0], "forks": [False, False], "could_fork": [True, False],
+             "p_fork": [0.7, 1.0], "beta": 0.2}]
     m = arpo.fork_metrics(rows, args)
     # 4 decisions with room (5.0 had none): dH -1, 0, 2, 1; quartiles of those: 25% -0.25, 75% 1.25
-    assert m["branch/decisions"] == 4 and m["branch/forks"] == 2
-    # P = clip(1 - 0.5 + 0.2 dH, 0, 1): 0.3, 0.5, 0.9, 0.7
+    assert m["branch/decisions"] == 4 and m["branch/forks"] == 2 and m["branch/beta"] == 0.2
     assert m["branch/p_fork_mean"] == pytest.approx((0.3 + 0.5 + 0.9 + 0.7) / 4)
     assert (m["branch/top_quartile_decisions"], m["branch/top_quartile_forks"]) == (1, 1)  # dH 2
     assert (m["branch/bottom_quartile_decisions"], m["branch/bottom_quartile_forks"]) == (1, 0)
-    assert arpo.fork_metrics([{"delta_h": [], "forks": [], "could_fork": []}], args) == {
-        "branch/decisions": 0, "branch/forks": 0}
+    assert arpo.fork_metrics([{"delta_h": [], "forks": [], "could_fork": [], "p_fork": [],
+                               "beta": 0.2}], args) == {
+        "branch/decisions": 0, "branch/forks": 0, "branch/beta": 0.2}
     steps = [{"rollouts": 4, "forks_per_question": 1.0, "tool_calls/executed_per_question": 1.0,
               **m}, {"rollouts": 4, "forks_per_question": 1.0,
                      "tool_calls/executed_per_question": 1.0, **m}]
     text = arpo.mechanism_summary(steps, args)
     assert "forked at 4 of 8 tool results with room, 2 of 2 in a step's top dH quartile, 0 of 2" \
         in text
+    assert "beta" not in text  # --beta-calibration off: fixed, nothing to say
+    spread = arpo.Args(beta_calibration="spread")
+    steps[1]["branch/beta"] = 1.25
+    assert arpo.mechanism_summary(steps, spread).endswith(
+        "; beta (--beta-calibration spread) 0.20 to 1.25")
 
 
 def test_a_full_question_records_no_room_to_fork_and_draws_no_alpha():
@@ -1018,3 +1025,49 @@ def test_a_full_question_records_no_room_to_fork_and_draws_no_alpha():
     assert decisions and not any(decisions)
     assert [len(r.could_fork) for r in rollouts] == [len(r.delta_h) for r in rollouts]
     assert rng.random() == np.random.default_rng(0).random()
+
+
+def test_each_decision_records_the_fork_probability_its_rule_gave():
+    rng = np.random.default_rng(3)
+    gen, tool = fake_engine(3, stop_p=0.9)
+    rollouts = arpo.adaptive_rollout(2, group_size=6, initial_rollouts=2, fork_z=1, k=4, beta=0.7,
+                                     tau=0.5, max_tool_calls=4, max_new_tokens=80, vocab_size=100,
+                                     generate_segments=gen, run_tool=tool, rng=rng)
+    decisions = [(d, p) for r in rollouts for d, p in zip(r.delta_h, r.p_fork, strict=True)]
+    assert decisions and all(r.beta == 0.7 for r in rollouts)
+    for delta_h, p in decisions:  # alpha ~ U(0, 1) and alpha + beta dH > tau
+        assert p == pytest.approx(min(1.0, max(0.0, 0.5 + 0.7 * delta_h)))
+
+
+def test_beta_calibration_spread_is_one_over_the_dh_p10_to_p90_by_hand():
+    seen = [float(x) for x in range(-5, 6)]  # -5..5: numpy's linear quantiles p10 -4, p90 4
+    spread = arpo.Args(beta=0.2, beta_calibration="spread")
+    assert arpo.step_beta(seen, spread) == pytest.approx(1 / 8)
+    assert arpo.step_beta(seen[:7], spread) == 0.2  # fewer than 8 seen: --beta
+    assert arpo.step_beta([0.5] * 9, spread) == 0.2  # no spread: --beta
+    # P(fork) = clip(1 - tau + beta dH, 0, 1) = 0.5 + dH / 8: 0 at dH's p10, 1 at its p90
+    assert arpo.fork_probability(-4.0, 1 / 8, 0.5) == pytest.approx(0.0)
+    assert arpo.fork_probability(4.0, 1 / 8, 0.5) == pytest.approx(1.0)
+
+
+def test_training_rollouts_play_with_the_calibrated_beta_and_remember_the_dh(monkeypatch):
+    played = []
+
+    def fake_play(r, env, tasks, groups, args, step, train):
+        played.append(args.beta)
+        return [SimpleNamespace(delta_h=[0.25 * step, -0.5]), SimpleNamespace(delta_h=[])]
+
+    monkeypatch.setattr(arpo, "play", fake_play)
+    envs = SimpleNamespace(train_tasks=list(range(10)), pool=None)
+    r = SimpleNamespace(extra={})
+    args = arpo.Args(beta=0.2, beta_calibration="spread", tasks_per_step=2)
+    for step in range(1, 6):
+        arpo.training_rollouts(r, envs, args, step)
+    # 2 dH a step: steps 1-4 play with --beta (fewer than 8 seen), step 5 with 1 / (p90 - p10)
+    # of the 8 seen: 0.25, 0.5, 0.75, 1.0 and four -0.5; p10 = -0.5, p90 = 0.75 + 0.3 * 0.25
+    assert played == [0.2, 0.2, 0.2, 0.2, pytest.approx(1 / (0.825 + 0.5))]
+    assert sorted(r.extra["delta_h"]) == [-0.5] * 5 + [0.25, 0.5, 0.75, 1.0, 1.25]
+    off, played[:] = SimpleNamespace(extra={}), []
+    for step in range(1, 6):  # off: the paper's fixed beta, and nothing kept in the checkpoint
+        arpo.training_rollouts(off, envs, arpo.Args(beta=0.2, tasks_per_step=2), step)
+    assert played == [0.2] * 5 and off.extra == {}
