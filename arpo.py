@@ -46,6 +46,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from common import cli, dist, run
 from common.cli import opt
+from common.generation import chat_ids
 from common.logprobs import token_logprobs
 from common.models import unwrap
 from envs.base import require
@@ -298,8 +299,7 @@ def build_prompt(tokenizer, question: str, info: dict) -> list[int]:
     """The chat the environment asks for (tools: its system prompt, the tool format, the question);
     the toy env gives none: the question as the user's message."""
     messages = info.get("messages") or [{"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return chat_ids(tokenizer, messages)  # a question that spells a special token gets text
 
 
 def last_tool_call(text: str, tag: str) -> str:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from common import cli, dist, run
 from common.cli import opt
-from common.generation import eos_token_ids
+from common.generation import chat_ids, eos_token_ids
 from common.logprobs import token_logprobs
 from common.models import unwrap
 from envs.base import EnvPool
@@ -184,8 +184,7 @@ def first_prompt_ids(tokenizer, obs: str, info: dict) -> list[int]:
     first = obs if not instruction or instruction in obs else f"{instruction}\n\n{obs}"
     msgs = [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": with_actions(first, info)}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    return chat_ids(tokenizer, msgs)  # a task that spells a special token gets text, not it
 
 
 def env_reply_ids(tokenizer, pieces: dict, obs: str, info: dict, max_env_tokens: int) -> list[int]:

@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from common import cli, dist, run
 from common.cli import opt
-from common.generation import first_prefix_containing
+from common.generation import chat_ids, first_prefix_containing
 from common.logprobs import token_logprobs
 from common.models import unwrap
 from envs.base import EnvPool, require
@@ -229,10 +229,7 @@ def build_turn_prompt(task: str, history: list[tuple[str, str]], observation: st
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chat_ids(tokenizer, [{"role": "user", "content": text}])  # the text stays text
 
 
 # Format check and projection as the official env_package/*/projection.py: ill-formed still acts.

@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,6 +116,42 @@ def eos_token_ids(tokenizer, config=None) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos = getattr(getattr(config, "generation_config", None) or config, "eos_token_id", None)
     ids |= set(eos) if isinstance(eos, list | tuple) else ({eos} if eos is not None else set())
+    return ids
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The chat as token ids with the messages' text as text only: a special token the text spells
+    (a page's `<|im_end|>`, SmolLM2's `<filename>`, Llama's `</s>`) stays text, so the env or a
+    dataset cannot forge a turn or an agent token; the template's own markers stay special.
+
+    Text that spells no added token is encoded with the whole chat, as apply_chat_template does.
+    Text that does: the template is rendered with a placeholder for each message's text, its parts
+    encoded as usual and each text with split_special_tokens (a template that does more to a text
+    than place it: the whole chat as usual). Without a chat template one message is its text."""
+    texts = [m["content"] for m in messages]
+    spelled = any(token in text for text in texts for token in tokenizer.added_tokens_encoder)
+    if not getattr(tokenizer, "chat_template", None) and len(messages) == 1:
+        return tokenizer(texts[0], add_special_tokens=False,
+                         split_special_tokens=spelled)["input_ids"]
+    full = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    if not spelled:
+        return tokenizer(full, add_special_tokens=False)["input_ids"]
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
+    blank = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+    layout = tokenizer.apply_chat_template(blank, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+    pieces = re.split("(\ue000\\d+\ue001)", layout)  # template, mark, template, ...
+    text_of = dict(zip(marks, texts, strict=True))
+    if "".join(text_of.get(p, p) for p in pieces) != full:
+        return tokenizer(full, add_special_tokens=False)["input_ids"]
+    ids = []
+    for piece in pieces:
+        if piece in text_of:
+            ids += tokenizer(text_of[piece], add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     return ids
 
 
