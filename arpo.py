@@ -85,8 +85,8 @@ class Args(run.RunArgs):
     tau: float = opt("algorithm", 0.5, "tau: branch threshold (P > tau forks)")
     beta_calibration: Literal["off", "spread"] = opt(
         "algorithm", "off", "ours. spread: each step's beta = 1 / (p90 - p10) of dH at this run's "
-        "earlier tool results (--beta until 8 are seen), so that P(fork) moves by 1 across the "
-        "middle 80% of this model's dH, not by beta * 0.9 (paper: off, beta fixed)")
+        "earlier tool results (--beta until 8 are seen), so that P(fork) moves by 1 from this "
+        "model's dH p10 to its p90, not by beta * 0.9 (paper: off, beta fixed)")
     fork_z: int = opt("algorithm", 1, "Z: partial rollouts forked when the rule fires", ge=0)
     max_tool_calls: int = opt("rollout", 3, "tool calls per rollout (code: 3-6, 5 said)", ge=0)
     stop_at_answer: bool = opt("rollout", True, "end the response at </answer> (ours; the code "
