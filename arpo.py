@@ -404,15 +404,14 @@ def play(r: run.Run, env, tasks: list, groups: list[int], args: Args, step: int,
 def training_rollouts(r: run.Run, envs: Envs, args: Args, step: int) -> list[Rollout]:
     """The step's questions (this rank's), a tree of M scored responses each (GRPO: M apart)."""
     mine = step_tasks(envs.train_tasks, args, step)
-    if args.beta_calibration == "off":
-        return play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine], args,
+    calibrate = args.beta_calibration == "spread"
+    if calibrate:  # every rank's dH at tool results so far, checkpointed
+        args = replace(args, beta=step_beta(r.extra.setdefault("delta_h", []), args))
+    rollouts = play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine], args,
                     step, train=True)
-    seen = r.extra.setdefault("delta_h", [])  # every rank's dH at tool results, checkpointed
-    step_args = replace(args, beta=step_beta(seen, args))
-    rollouts = play(r, envs.pool, [task for _, task in mine], [group for group, _ in mine],
-                    step_args, step, train=True)
-    seen += [d for part in dist.all_gather_object([d for x in rollouts for d in x.delta_h])
-             for d in part]
+    if calibrate:
+        r.extra["delta_h"] += [d for part in dist.all_gather_object(
+            [d for x in rollouts for d in x.delta_h]) for d in part]
     return rollouts
 
 

@@ -129,7 +129,8 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
     encoded as usual and each text with split_special_tokens (a template that does more to a text
     than place it: the whole chat as usual). Without a chat template one message is its text."""
     texts = [m["content"] for m in messages]
-    spelled = any(token in text for text in texts for token in tokenizer.added_tokens_encoder)
+    added = tokenizer.added_tokens_encoder  # a property that builds a dict: read it once
+    spelled = any(token in text for text in texts for token in added)
     if not getattr(tokenizer, "chat_template", None) and len(messages) == 1:
         return tokenizer(texts[0], add_special_tokens=False,
                          split_special_tokens=spelled)["input_ids"]
