@@ -70,6 +70,8 @@ class Args(run.RunArgs):
     steps: int = 8
     max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demo
     cold_start_episodes: int = 32
+    lr: float = 5e-6  # RL; 1e-5 lost held-out questions from a strong cold start (results page)
+    eval_tasks: int = 32  # tools: none of their answers is a training answer (build_envs)
     max_minutes: float = 14.0  # the CPU default's budget: stop early rather than overrun
     max_turns: int = opt("environment", 1, "unused: ARPO writes one response per question; "
                          "--max-tool-calls bounds its tool turns", ge=1)
@@ -934,8 +936,9 @@ def build_envs(args: Args) -> Envs:
     env itself plays every rollout: an env without that hook is refused (it would play the response
     as its first turn); toy by name."""
     options = {"turns": 1} if args.env == "toy" else {}  # one response per question: one toy turn
-    if args.env == "tools":  # its retriever
+    if args.env == "tools":  # its retriever; held-out questions whose answers training never has
         options["topk"] = args.search_topk
+        options["holdout"] = "answer"
     if args.env == "tools" and args.unsafe_python:
         options["unsafe_python"] = True
     env, options, train_tasks, eval_tasks = run.make_env(args, **options)  # --env-options win

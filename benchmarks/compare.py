@@ -57,7 +57,7 @@ LEVEL4 = ["--temperature", "1.0", "--lr", "5e-6", "--tasks-per-step", "4", "--gr
 # Only the arms a results page cites; the others live in git history (docs/results/README.md).
 ARMS = {
     "t2po": {"t2po": [], "gigpo": ["--no-tti", "--no-tds"]},
-    "arpo": {"arpo": [], "grpo": ["--rollout", "global"]},
+    "arpo": {"arpo": [], "grpo": ["--rollout", "global"], "lr0": ["--lr", "0"]},
     "loop": {"token": [], "turn": ["--importance-weight", "turn"],
              "trajectory": ["--importance-weight", "trajectory"]},
     "demo": {"rl": [], "lr0": ["--lr", "0"],  # make demo's run (the textworld preset), its control
