@@ -91,9 +91,11 @@ class Args(run.RunArgs):
     cold_start_source: Literal["auto", "expert", "sample"] = opt(
         "cold start", "auto", "RFT's successful trajectories: from the env's scripted expert where "
         "it has one (auto), else rejection sampling from the policy (sample)")
-    expert_thoughts: Literal["short", "long"] = opt(
-        "cold start", "short", "RFT's expert thoughts (ours): one short reason, or TextWorld's ~40 "
-        "tokens for TTI to cut (long; needs --max-new-tokens 96)")
+    expert_thoughts: Literal["short", "long", "overthink"] = opt(
+        "cold start", "short", "RFT's expert thoughts (ours): one short reason; long: TextWorld's "
+        "~40 tokens quoting the task's sentence for the step; overthink: the decision, the short "
+        "reason, then ~20 tokens that add nothing (thinking past the decision, for TTI to cut). "
+        "long and overthink need --max-new-tokens 96")
 
 
 # The paper's (examples/*_trainer/train_*.sh: webshop validates on 2 x 128 tasks; 200 epochs of 16
@@ -1012,6 +1014,13 @@ def evaluate(r: run.Run, pool: EnvPool, tasks: list, args: Args, step: int, stag
     return m
 
 
+def overthought(action: str, reason: str) -> str:
+    """--expert-thoughts overthink: the decision first, then words that add nothing to it; what the
+    paper calls overthinking, and TTI is meant to cut once M_t flattens after the decision."""
+    return (f"I {action}. {reason} I have weighed it once more and I am sure: the next command is "
+            f"{action}, and nothing else needs doing first.")
+
+
 def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
     """Replay the env's scripted expert (expert_action, expert_thought) in the policy's prompts."""
     episodes = []
@@ -1024,6 +1033,8 @@ def expert_episodes(env, tasks: list, args: Args) -> list[Episode]:
                                        info.get("admissible_actions") or [], args.history_length,
                                        args.max_obs_chars)
             thought = env.expert_thought(action, long=args.expert_thoughts == "long")
+            if args.expert_thoughts == "overthink":
+                thought = overthought(action, thought)
             text = f"<think>{thought}</think>\n<action>{action}</action>"
             next_obs, _, done, info = env.step(action)
             episode.turns.append(ExpertTurn(prompt=prompt, text=text))

@@ -569,6 +569,18 @@ def test_expert_thoughts_flag_reaches_the_rft_turns():
         assert thought.endswith(f"I have done {k} of its 3 steps.")
 
 
+def test_overthink_thoughts_decide_first_then_add_nothing():
+    env, _ = env_of("textworld", '{"level": 3, "train_games": 1}', seed=0)
+    args = dataclasses.replace(t2po.Args(), max_turns=4, expert_thoughts="overthink")
+    episode = t2po.expert_episodes(env, [0], args)[0]
+    assert episode.won and len(episode.turns) == 3
+    first = episode.turns[0].text
+    action = first[first.index("<action>") + 8:-len("</action>")]
+    assert first == (f"<think>I {action}. The task says which way to go. I have weighed it once more "
+                     f"and I am sure: the next command is {action}, and nothing else needs doing "
+                     f"first.</think>\n<action>{action}</action>")
+
+
 # ---- TTI generation: chunked == online, under position-keyed sampling seeds ------------------------
 
 @pytest.fixture(scope="module")
