@@ -97,6 +97,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+MB = 1024 * 1024
 # after the trainer asks the runner to stop the code: its time to do so and report
 STOP_GRACE_S = 2.0
 UID_BASE, UID_SPAN = 40000, 20000  # per-call uids (A): no two calls share files or signals
@@ -175,6 +176,7 @@ def private_mounts():
     # None of this is visible outside the namespace.
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = (
         1, 2, 4, 8, 32, 4096, 16384)
+    COVER = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755"  # an empty tmpfs
     keep = [wd] + [os.path.realpath(p) for p in cfg["keep"]]
     for hidden in cfg["hide"]:
         if not os.path.isdir(hidden):
@@ -192,9 +194,7 @@ def private_mounts():
     need(libc.mount(b"tmpfs", wd.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) == 0,
          "the working directory's tmpfs")
     if os.path.isdir("/dev/pts"):
-        need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs",
-                        MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755") == 0,
-             "a cover over /dev/pts")
+        need(libc.mount(b"tmpfs", b"/dev/pts", b"tmpfs", *COVER) == 0, "a cover over /dev/pts")
     # Every mount the code can reach but its working dir and its /proc is made read-only: remounted
     # with the flags it has (a user namespace may not clear nosuid, nodev, noexec or atime flags set
     # outside it: Ubuntu's /dev/shm, /run/user/N), else covered by an empty read-only tmpfs, else
@@ -228,8 +228,7 @@ def private_mounts():
     now = mounts()
     for mid, t in reached:
         if not now[mid][1] & MS_RDONLY:
-            libc.mount(b"tmpfs", t, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                       b"size=4k,mode=0755")
+            libc.mount(b"tmpfs", t, b"tmpfs", *COVER)
             need(mounts().get(mount_id(t), (t, 0))[1] & MS_RDONLY,
                  f"a read-only {os.fsdecode(t)} (remounted or covered)")
 
@@ -529,9 +528,6 @@ if cfg["landlock"]:
 if cfg["seccomp"]:
     seccomp()
 
-def under(path, roots):
-    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
-
 def where(path, dir_fd=None):
     # the real path a call reaches: an fd's own path, or a relative path taken from its dir_fd
     if isinstance(path, int):
@@ -562,7 +558,7 @@ def guard(event, args):
                 check(where(args[i], args[d] if d is not None and d < len(args) else None), WRITE)
 
 def check(real, roots):
-    if not under(real, roots):
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
         raise PermissionError(f"sandbox: access to {real} is outside the sandbox")
 
 def open_at(path, flags, mode=0o777, *, dir_fd=None, _open=os.open):
@@ -575,10 +571,8 @@ WRITE_EVENTS = {"os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)
                 "os.chmod": [(0, 2)], "os.chown": [(0, 3)], "os.truncate": [(0, None)],
                 "os.utime": [(0, 3)], "shutil.rmtree": [(0, 1)], "os.rename": [(0, 2), (1, 3)],
                 "os.link": [(0, 2), (1, 3)], "os.symlink": [(0, None), (1, 2)],
-                "shutil.copyfile": [(0, None), (1, None)],
-                "shutil.copymode": [(0, None), (1, None)],
-                "shutil.copystat": [(0, None), (1, None)],
-                "shutil.move": [(0, None), (1, None)]}
+                **dict.fromkeys(["shutil.copyfile", "shutil.copymode", "shutil.copystat",
+                                 "shutil.move"], [(0, None), (1, None)])}
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
                   "subprocess.Popen"}
 WRITE = [wd, "/dev/null"]
@@ -939,9 +933,6 @@ def _call(code: bytes, limits: SandboxLimits, namespaces: list[str], uid: int | 
             cleanup(_remove_tree, wd)
         if dirs:
             cleanup(_remove_cgroup, dirs)
-
-
-MB = 1024 * 1024
 
 
 class _Output:
