@@ -424,14 +424,14 @@ def disk_over(pid):
     # may be swapped for a symlink to a host folder: RENAME_EXCHANGE), names past PATH_MAX too, each
     # file once however many links it has; plus the files the code holds open or mapped once
     # unlinked (O_TMPFILE too), which no walk sees -- not a file with a name (a library held open)
-    used, entries, seen, frames = 0, 0, set(), []  # frames: (folder fd, subfolders left), a level
+    used, entries, seen, frames = 0, 0, set(), []  # frames: [folder fd, subfolders left], a level
+    DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
-        frames.append((os.open(wd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), None))
+        frames.append([os.open(wd, DIR), None])
         while frames:
             fd, subs = frames[-1]
             if subs is None:
-                subs = []
-                frames[-1] = fd, subs
+                subs = frames[-1][1] = []
                 with os.scandir(fd) as it:
                     for e in it:
                         try:
@@ -446,8 +446,7 @@ def disk_over(pid):
                     return True
             elif subs:
                 try:
-                    frames.append((os.open(subs.pop(), os.O_RDONLY | os.O_DIRECTORY
-                                           | os.O_NOFOLLOW, dir_fd=fd), None))
+                    frames.append([os.open(subs.pop(), DIR, dir_fd=fd), None])
                 except OSError as e:
                     if e.errno not in (2, 20, 40):  # gone, or now a file or a symlink
                         raise
@@ -511,8 +510,7 @@ if pid:  # pid 1 of the namespace: watch, stop, reap, then report; exiting kills
 
 # the child: only stdout and stderr are kept (not the verdict pipe, not the trainer's stop signal)
 need(all(libc.write(fd, b"0", 1) == 1 for fd in cgroup), "the call's cgroup")  # "0": itself
-null = os.open("/dev/null", os.O_RDONLY)
-os.dup2(null, 0)
+os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
 os.closerange(3, 1 << 16)
 os.umask(0o022)
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -772,10 +770,9 @@ def _new_cgroup(limits: SandboxLimits) -> list[str]:
             os.mkdir(os.path.join(parent, name), 0o755)
             dirs.append(os.path.join(parent, name))
         for file, what, required in CGROUP[version][0]:
-            path = next((os.path.join(d, file) for d in dirs
-                         if os.path.exists(os.path.join(d, file))), None)
+            paths = [os.path.join(d, file) for d in dirs]  # the first hierarchy that has it
             try:
-                with open(path or os.path.join(dirs[0], file), "w") as f:
+                with open(next(filter(os.path.exists, paths), paths[0]), "w") as f:
                     f.write(str(value[what]))
             except OSError:
                 if required:
@@ -1032,8 +1029,7 @@ def _execute(cfg: dict, namespaces: list[str], code: bytes, limits: SandboxLimit
         if proc.poll() is None:
             _kill_and_reap(proc)
         for f in (proc.stdin, proc.stdout):
-            if not f.closed:
-                f.close()
+            f.close()
         os.set_blocking(vr, False)
         try:
             verdict = json.loads(os.read(vr, 1 << 16) or b"null")
