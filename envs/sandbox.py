@@ -168,12 +168,9 @@ def need(ok, what):
         os._exit(70)
 
 def private_mounts():
-    # Private mount namespace. Home directories are covered by an empty tmpfs, with only the paths
-    # the code needs (the python installation, the working dir) bound back; the working dir is a
-    # tmpfs of its own (the kernel bounds its size and entries, unlinked files included; nothing the
-    # code makes reaches the host's disk); the trainer's terminals (/dev/pts) are covered; then
-    # every mount is made read-only except the working dir.
-    # None of this is visible outside the namespace.
+    # The module docstring's private mount namespace (none of it is visible outside): homes
+    # covered (the python installation and the working dir bound back), the working dir a tmpfs of
+    # its own, /dev/pts covered, then every mount read-only but the working dir.
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = (
         1, 2, 4, 8, 32, 4096, 16384)
     COVER = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0755"  # an empty tmpfs
@@ -677,9 +674,8 @@ def _config(wd: str, uid: int | None, namespaces: list[str], mounts: bool, kerne
                                     else "cgroup.procs") for d in cgroup]}
 
 
-# A cgroup per call where the trainer may make one (v1: as root; v2: a subtree delegated to it):
-# memory (kernel memory and the working dir's tmpfs pages too, no swap) and tasks bounded and counted
-# by the kernel. Per version: (file, the limit it gets, required), {events file: its counter}.
+# The cgroup per call of the module docstring, per version: (file, the limit it gets, required),
+# {events file: its counter}.
 CGROUP = {"v1": ([("memory.limit_in_bytes", "memory", True), ("pids.max", "nproc", True),
                   ("memory.memsw.limit_in_bytes", "memory", False),
                   ("memory.kmem.limit_in_bytes", "memory", False)],
@@ -716,9 +712,8 @@ def _left_by_the_dead(name: str, pattern: re.Pattern, ns: str) -> bool:
 
 def _remove_stale() -> None:
     """What a trainer killed mid-call left (its clean-up never ran), ours by name, of this pid
-    namespace, whose creator is gone: per-call cgroups (the kernel refuses to remove one that
-    holds a task) and working folders (owned by this uid or a spare one). Nothing else is
-    touched."""
+    namespace, whose creator is gone: per-call cgroups (the kernel refuses to remove one that holds
+    a task) and working folders (owned by this uid or a spare one). Nothing else is touched."""
     ns = str(os.stat("/proc/self/ns/pid").st_ino)
     for parent in (_cgroup_parents() or ("", ()))[1]:
         for name in os.listdir(parent):
@@ -833,8 +828,7 @@ def _isolation(namespaces: bool) -> dict:
     if unshare:
         ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
         tries.append((ns if root else [unshare, "--user", "--map-root-user", *ns[1:]], True, root))
-    # without a mount namespace a dropped uid must still reach the
-    # interpreter (e.g. not under /root)
+    # without a mount namespace a dropped uid must still reach the interpreter (not under /root)
     reachable = _world_traversable(sys.executable) and _world_traversable(sys.prefix)
     tries.append(([], False, root and reachable))
     for cmd, mounts, may_drop in tries:
@@ -851,9 +845,8 @@ def _isolation(namespaces: bool) -> dict:
 def _report(cmd: list[str], mounts: bool, drop_uid: bool, kernel: dict, cgroup: str) -> dict:
     files = mounts or kernel["landlock"] > 0  # the kernel keeps the code off the trainer's files
     processes = bool(cmd) or kernel["seccomp"]  # ... and off the trainer's processes
-    # ... and the code is not uid 0, which owns the host's files by name (chmod, utime,
-    # truncate need no capability then) and is not bound by RLIMIT_NPROC: as root
-    # a spare uid, or the code is not run
+    # ... and the code is not uid 0, which owns the host's files by name and is not bound by
+    # RLIMIT_NPROC (the module docstring): as root a spare uid, or the code is not run
     unprivileged = drop_uid or os.geteuid() != 0
     layers = [("network namespace", bool(cmd)), ("read-only mounts", mounts),
               ("Landlock", kernel["landlock"] > 0), ("seccomp", kernel["seccomp"]),
