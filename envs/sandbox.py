@@ -1183,12 +1183,9 @@ def _classify(stop: str | None, v: dict | None, rc: int | None, text: str, limit
         return "memory", ""
     if v.get("threads") and (sig or v["status"]):
         return "exit", f"Error: the code reached its limit of {limits.nproc} threads."
-    if sig:
-        return "exit", "" if text.strip() else (f"Error: the code ended with signal {sig} and "
-                                                "printed nothing.")
-    if v["status"] != 0:
-        return "exit", "" if text.strip() else ("Error: the code exited with status "
-                                                f"{v['status']} and printed nothing.")
+    if sig or v["status"] != 0:
+        how = f"ended with signal {sig}" if sig else f"exited with status {v['status']}"
+        return "exit", "" if text.strip() else f"Error: the code {how} and printed nothing."
     return None, ""
 
 
