@@ -573,7 +573,7 @@ PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spaw
 WRITE = [wd, "/dev/null"]
 WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 READ = [wd] + LIBRARY + [os.path.realpath(p) for p in (
-    "/etc", "/dev/null", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/cpuinfo",
+    "/etc", "/dev/null", "/dev/urandom", "/dev/random", "/dev/zero", "/proc/self", "/proc/cpuinfo",
     "/proc/meminfo", "/sys/devices/system/cpu")]
 
 def report(e):
@@ -722,7 +722,10 @@ def _remove_stale() -> None:
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
         if _left_by_the_dead(name, WORKDIR_NAME, ns):
-            st = os.lstat(os.path.join(tmp, name))  # a symlink is not ours
+            try:
+                st = os.lstat(os.path.join(tmp, name))  # a symlink is not ours
+            except FileNotFoundError:  # another trainer of this namespace removed it meanwhile
+                continue
             spare = UID_BASE <= st.st_uid <= UID_BASE + UID_SPAN  # the probe's uid is the last
             if stat.S_ISDIR(st.st_mode) and (st.st_uid == os.geteuid() or spare):
                 _remove_tree(os.path.join(tmp, name))

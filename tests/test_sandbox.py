@@ -123,6 +123,14 @@ def test_socket_to_localhost_fails(guard):
 
 
 @pytest.mark.parametrize("guard", [True, False])
+def test_the_random_devices_read(guard):
+    # Landlock allows both; the audit hook once allowed /dev/urandom only
+    code = "print(len(open('/dev/random', 'rb').read(4)), len(open('/dev/urandom', 'rb').read(4)))"
+    r = run_python(code, FAST if guard else without_guard())
+    assert r.output.split() == ["4", "4"], r.output
+
+
+@pytest.mark.parametrize("guard", [True, False])
 def test_reading_outside_is_denied(guard, tmp_path):
     if not guard and not isolation()["read_only_fs"]:
         pytest.skip("no mount namespace on this machine: only the python guard hides outside files")
