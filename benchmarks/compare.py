@@ -204,7 +204,10 @@ METRICS = {
         ("tool calls run per question, training (mean over steps) ↓",
          train_mean("tool_calls/executed_per_question"), -1),
         ("tool calls per question, held-out after RL ↓", last("eval/tool_calls_per_question"), -1),
-        *HELD_OUT],
+        ("policy tokens per step (mean over steps) ↓", train_mean("num_tokens"), -1),
+        *HELD_OUT,
+        ("held-out questions answered, after − before RL", held_out_gain, 1),
+        ("seconds of RL (time_s at the last step) ↓", train_last("time_s"), -1)],
     "loop": HELD_OUT + [
         ("held-out games won, after − before RL", held_out_gain, 1),
         ("training reward, mean over steps", train_mean("reward_mean"), 1),
