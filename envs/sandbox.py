@@ -1062,18 +1062,19 @@ def _remove_tree(top: str) -> None:
                     if not e.is_dir(follow_symlinks=False):
                         _quietly(os.unlink, e.name, dir_fd=fd)
                     elif e.inode() not in stuck:
-                        sub = e.name
+                        sub = e
                         break
             if sub is not None:
-                _open_up(sub, fd)
+                _open_up(sub.name, fd)
                 try:
-                    child = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError:
-                    stuck.add(os.stat(sub, dir_fd=fd, follow_symlinks=False).st_ino)
+                    child = os.open(sub.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                                    dir_fd=fd)
+                except OSError:  # unopenable, or gone since the scan: not tried again
+                    stuck.add(sub.inode())
                     continue
                 os.close(fd)
                 fd = child
-                names.append(sub)
+                names.append(sub.name)
                 continue
             if not names:
                 break

@@ -1283,3 +1283,29 @@ def _tasks(cgroup: str) -> str:
         return open(os.path.join(cgroup, "cgroup.procs")).read().strip()
     except OSError:
         return ""
+
+
+def test_removing_a_call_folder_goes_on_past_a_subfolder_that_vanished(tmp_path, monkeypatch):
+    # the first subfolder the sweep tries to open is removed by someone else and its open fails:
+    # the sweep must still empty and remove the rest (it used to stat the vanished name and stop)
+    import envs.sandbox as sandbox
+
+    top = tmp_path / "call"
+    for name in ("a", "b"):
+        (top / name).mkdir(parents=True)
+        (top / name / "file").write_text("the code's")
+    real_open = os.open
+    vanished = []
+
+    def open_once_vanishing(path, flags, mode=0o777, *, dir_fd=None):
+        if dir_fd is not None and flags & os.O_DIRECTORY and not flags & os.O_PATH and not vanished:
+            vanished.append(path)
+            (top / path / "file").unlink()
+            (top / path).rmdir()
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(sandbox.os, "open", open_once_vanishing)
+    sandbox._remove_tree(str(top))
+    assert vanished, "the test's race never happened"
+    assert not top.exists(), f"left behind: {sorted(p.name for p in top.rglob('*'))}"
