@@ -67,7 +67,7 @@ class Args(run.RunArgs):
                          "auto: the one named after --env (none is)")
     # the shared flags (common/run.py) where ARPO's default differs
     env: str = "tools"  # offline python/search questions
-    steps: int = 24  # an RL step is ~25 s on the CPU: evaluation, not RL, fills the budget
+    steps: int = 8
     max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demo
     cold_start_episodes: int = 32
     lr: float = 5e-6  # RL; 1e-5 lost held-out questions from a strong cold start (results page)
