@@ -69,7 +69,7 @@ class Args(run.RunArgs):
     env: str = "tools"  # offline python/search questions
     steps: int = 8
     max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demo
-    cold_start_episodes: int = 16  # leaves RL room: from 32, RL added nothing (results page)
+    cold_start_episodes: int = 32
     lr: float = 5e-6  # RL; 1e-5 lost held-out questions from a strong cold start (results page)
     eval_tasks: int = 32  # tools: none of their answers is a training answer (build_envs)
     max_minutes: float = 14.0  # the CPU default's budget: stop early rather than overrun
