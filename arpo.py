@@ -72,12 +72,13 @@ class Args(run.RunArgs):
     cold_start_episodes: int = 32
     lr: float = 5e-6  # RL; 1e-5 lost held-out questions from a strong cold start (results page)
     eval_tasks: int = 32  # tools: none of their answers is a training answer (build_envs)
+    group_size: int = 8  # M; with 4, a third of the steps had every group of one outcome
     max_minutes: float = 14.0  # the CPU default's budget: stop early rather than overrun
     max_turns: int = opt("environment", 1, "unused: ARPO writes one response per question; "
                          "--max-tool-calls bounds its tool turns", ge=1)
     rollout: Literal["arpo", "global"] = opt("algorithm", "arpo", "arpo: entropy-based adaptive "
                                              "rollout; global: M independent trajectories (GRPO)")
-    initial_rollouts: int = opt("algorithm", 2, "N: rollouts started globally (paper: 8)", ge=1)
+    initial_rollouts: int = opt("algorithm", 4, "N: rollouts started globally (paper: 8)", ge=1)
     branch_k: int = opt("algorithm", 20, "k: tokens whose entropy is the step entropy", ge=1)
     entropy: Literal["topk", "exact"] = opt(
         "algorithm", "topk", "step entropy. topk (the authors' code; beta, tau tuned on it): -sum "

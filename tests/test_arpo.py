@@ -493,7 +493,7 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     assert args.group_size == 8 and args.lr == 1e-6 and args.max_minutes == 0.0
     default = run.parse(arpo.Args, [], arpo.PRESETS, arpo.check_args)
     assert (default.group_size, default.initial_rollouts, default.rollout, default.attribution) == (
-        4, 2, "arpo", "soft")
+        8, 4, "arpo", "soft")
     # the CPU run: one passage per search, so every kind of question fits the 256-token response budget
     assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 
@@ -597,7 +597,7 @@ def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys):
     ("--save-every", "0"), ("--eval-every", "-1"), ("--lr", "-1e-5"), ("--lr", "nan"), ("--clip-low", "1"),
     ("--clip-high", "-0.1"), ("--dual-clip", "1"), ("--max-grad-norm", "0"), ("--kl-coef", "-0.1"),
     ("--lora-rank", "-1"), ("--cold-start-epochs", "-1"), ("--search-topk", "0"), ("--group-size", "1"),
-    ("--initial-rollouts", "0"), ("--initial-rollouts", "5"), ("--max-turns", "0"), ("--seed", "-1"),
+    ("--initial-rollouts", "0"), ("--initial-rollouts", "9"), ("--max-turns", "0"), ("--seed", "-1"),
     ("--max-minutes", "-1")])
 def test_nonsense_values_end_in_one_line_naming_the_flag(flag, value, monkeypatch, tmp_path):
     def no_model(*a, **k):
