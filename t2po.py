@@ -94,7 +94,7 @@ class Args(run.RunArgs):
     expert_thoughts: Literal["short", "long", "overthink"] = opt(
         "cold start", "short", "RFT's expert thoughts (ours): one short reason; long: TextWorld's "
         "~40 tokens quoting the task's sentence for the step; overthink: the decision, the short "
-        "reason, then ~20 tokens that add nothing (thinking past the decision, for TTI to cut). "
+        "reason, then ~25 tokens that add nothing (thinking past the decision, for TTI to cut). "
         "long and overthink need --max-new-tokens 96")
 
 

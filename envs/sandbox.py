@@ -428,7 +428,8 @@ def disk_over(pid):
         while frames:
             fd, subs = frames[-1]
             if subs is None:
-                subs = frames[-1][1] = []
+                subs = []
+                frames[-1][1] = subs
                 with os.scandir(fd) as it:
                     for e in it:
                         try:
@@ -566,8 +567,10 @@ WRITE_EVENTS = {"os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)
                 "os.chmod": [(0, 2)], "os.chown": [(0, 3)], "os.truncate": [(0, None)],
                 "os.utime": [(0, 3)], "shutil.rmtree": [(0, 1)], "os.rename": [(0, 2), (1, 3)],
                 "os.link": [(0, 2), (1, 3)], "os.symlink": [(0, None), (1, 2)],
-                **dict.fromkeys(["shutil.copyfile", "shutil.copymode", "shutil.copystat",
-                                 "shutil.move"], [(0, None), (1, None)])}
+                "shutil.copyfile": [(0, None), (1, None)],
+                "shutil.copymode": [(0, None), (1, None)],
+                "shutil.copystat": [(0, None), (1, None)],
+                "shutil.move": [(0, None), (1, None)]}
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
                   "subprocess.Popen"}
 WRITE = [wd, "/dev/null"]
