@@ -70,7 +70,6 @@ class Args(run.RunArgs):
     steps: int = 8
     max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demo
     cold_start_episodes: int = 32
-    cold_start_lr: float = 5e-5  # light: from cold starts >= 22 of 32 (lr 1e-4) RL added nothing
     lr: float = 5e-6  # RL; 1e-5 lost held-out questions from a strong cold start (results page)
     eval_tasks: int = 32  # tools: none of their answers is a training answer (build_envs)
     group_size: int = 8  # M; with 4, a third of the steps had every group of one outcome

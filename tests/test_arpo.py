@@ -494,7 +494,7 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     default = run.parse(arpo.Args, [], arpo.PRESETS, arpo.check_args)
     assert (default.group_size, default.initial_rollouts, default.rollout, default.attribution) == (
         8, 4, "arpo", "soft")
-    assert (default.cold_start_episodes, default.cold_start_lr, default.lr) == (32, 5e-5, 5e-6)
+    assert (default.cold_start_episodes, default.cold_start_lr, default.lr) == (32, 1e-4, 5e-6)
     # the CPU run: one passage per search, so every kind of question fits the 256-token response budget
     assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 
