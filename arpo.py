@@ -70,7 +70,9 @@ class Args(run.RunArgs):
     steps: int = 8
     max_new_tokens: int = 256  # per response, results included (code: 4096): fits every expert demo
     cold_start_episodes: int = 32
-    lr: float = 5e-6  # RL; 1e-5 lost held-out questions from a strong cold start (results page)
+    cold_start_epochs: int = 2  # two passes at 2.5e-5 learn the tags in every seed piloted; one at
+    cold_start_lr: float = 2.5e-5  # 1e-4 learns them or not by seed (results page)
+    lr: float = 1e-5  # RL; 2e-5 gained less on the pilot seed, 5e-6 moved little (results page)
     eval_tasks: int = 32  # tools: none of their answers is a training answer (build_envs)
     group_size: int = 8  # M; with 4, a third of the steps had every group of one outcome
     max_minutes: float = 14.0  # the CPU default's budget: stop early rather than overrun
@@ -105,6 +107,11 @@ class Args(run.RunArgs):
     clip_high: float = opt("algorithm", 0.2, "PPO clip epsilon above 1", ge=0)
     dual_clip: float = opt("algorithm", 3.0, "dual-clip c: bound of -A*ratio when A < 0", gt=1,
                            why="as verl asserts")
+    eval_temperature: float = opt("run", 1.0, "held-out sampling temperature (ours; 0: "
+                                  "greedy, one response a question): 1.0, --temperature's, scores "
+                                  "the policy RL trains, which greedy answers hide", ge=0)
+    eval_samples: int = opt("run", 4, "held-out responses a question at "
+                            "--eval-temperature > 0; the success is their mean (ours)", ge=1)
     search_topk: int = opt("environment", 1, "passages per <search> result (ours: 1, so that "
                            "look-ups fit the budget; the env's default: 3; the authors' code: 10 "
                            "web results)", ge=1)
@@ -133,6 +140,9 @@ def check_args(args: Args) -> None:
     if args.initial_rollouts > args.group_size:
         raise cli.bad_flag("arpo.py", "initial_rollouts", args.initial_rollouts,
                            f"must be <= --group-size ({args.group_size}): N of M start globally")
+    if args.eval_temperature == 0 and args.eval_samples > 1:
+        raise cli.bad_flag("arpo.py", "eval_samples", args.eval_samples,
+                           "must be 1 with --eval-temperature 0 (greedy responses are all alike)")
 
 
 # ==================================================================================================
@@ -338,13 +348,14 @@ def rollout(generator, tokenizer, env, prompts: list[list[int]], groups: list[in
     def generate_segments(rollouts: list[Rollout], budgets: list[int]):
         # A continuation is prompt + response so far: the backend re-reads the prefix (vLLM: prefix
         # cache hit, no recomputation; HF: one prefill of the whole prefix). A seed per segment,
-        # so a fork does not replay its parent's noise at the same positions.
-        seeds = [sample_seed(args.seed, step, int(train), groups[r.question], r.index,
-                             len(r.response_ids)) for r in rollouts]
+        # so a fork does not replay its parent's noise at the same positions. Held-out: the same
+        # noise at every evaluation, so two differ only by the weights (--lr 0's are equal).
+        seeds = [sample_seed(args.seed, step if train else 0, int(train), groups[r.question],
+                             r.index, len(r.response_ids)) for r in rollouts]
+        temperature = args.temperature if train else args.eval_temperature
         samples = generator.generate([prompts[r.question] + r.response_ids for r in rollouts], n=1,
                                      max_new_tokens=max(budgets), stop=stops,
-                                     temperature=args.temperature if train else 0.0, seeds=seeds,
-                                     logprobs_k=top_k)
+                                     temperature=temperature, seeds=seeds, logprobs_k=top_k)
         segments = []
         for (s,), budget in zip(samples, budgets, strict=True):
             seg = copy.copy(s)
@@ -880,13 +891,15 @@ def mechanism_summary(lines: list[dict], args: Args) -> str:
 
 def evaluate(r: run.Run, pool, tasks: list, args: Args, step: int, stage: str,
              prefix: str = "eval/") -> dict:
-    """Greedy, one response per question (no forks), after `step` updates; transcripts (the
-    model's text between tool results, each result as the observation) in <out>/transcripts."""
-    rollouts = play(r, pool, tasks, list(range(len(tasks))), args, step, train=False)
+    """--eval-samples responses per question at --eval-temperature (greedy: one), no forks, after
+    `step` updates: success and reward are means over them; transcripts (the model's text between
+    tool results, each result as the observation) in <out>/transcripts."""
+    copies = [task for task in tasks for _ in range(args.eval_samples)]  # (questions x samples,)
+    rollouts = play(r, pool, copies, list(range(len(copies))), args, step, train=False)
     run.write_transcripts(args, stage, [run.transcript(
         r.tokenizer, x.prompt_ids + x.response_ids, [0] * len(x.prompt_ids) + x.action_mask,
-        task=tasks[x.question], won=x.won, reward=x.reward) for x in rollouts])
-    m = response_metrics([response_row(x) for x in rollouts], len(tasks))
+        task=copies[x.question], won=x.won, reward=x.reward) for x in rollouts])
+    m = response_metrics([response_row(x) for x in rollouts], len(copies))
     return {prefix + "success_rate": m["success_rate"], prefix + "reward_mean": m["reward_mean"],
             prefix + "format_error_rate": m["format_error_rate"],
             prefix + "tool_calls_per_question": m["tool_calls/per_rollout"]}

@@ -157,11 +157,12 @@ def dry_run(args, seq_len: int, why: str, **plan) -> dict:
     a rank's episodes at once (its task groups x --group-size; rank 0 also every held-out task)."""
     from common.plan import print_plan
     check_torchrun(args)
-    rows = max(-(-args.tasks_per_step // dist.world_size()) * args.group_size, args.eval_tasks)
+    held = args.eval_tasks * getattr(args, "eval_samples", 1)  # arpo.py: responses per held-out question
+    rows = max(-(-args.tasks_per_step // dist.world_size()) * args.group_size, held)
     if dist.is_main():
         print(f"sequence {seq_len} tokens: {why}\nrollout rows {rows} = max(ceil({args.tasks_per_step} "
-              f"tasks / {dist.world_size()} ranks) * group {args.group_size}, {args.eval_tasks} held-out on "
-              "rank 0)")
+              f"tasks / {dist.world_size()} ranks) * group {args.group_size}, {held} held-out responses "
+              "on rank 0)")
         try:  # the engine decodes in bf16 on a GPU and sleeps while the policy trains
             print_plan(args.model, dist.world_size(), args.lora_rank, max_seq_len=seq_len,
                        micro_batch=args.micro_batch_size, backend=args.backend, strategy=args.parallel,
@@ -394,7 +395,7 @@ def report(args, extra: dict, n_tasks: int, also: str = "", t_begin: float | Non
     show_transcripts(args, ["cold_start" if "cold_start" in extra else "base", "rl"])
     stages = [s for s in STAGES if s in extra]  # a resumed run: from its checkpoint
     say(f"held-out success ({n_tasks} tasks): " + " -> ".join(
-        f"{s} {round(extra[s]['eval/success_rate'] * n_tasks)}/{n_tasks}" for s in stages)
+        f"{s} {round(extra[s]['eval/success_rate'] * n_tasks, 2):g}/{n_tasks}" for s in stages)
         + (f"  | {also.removeprefix('eval/')}: " + " -> ".join(f"{s} {extra[s][also]:.3f}" for s in stages)
            if also else "") + (f"  ({(time.time() - t_begin) / 60:.1f} min)" if t_begin else ""))
     if "base" not in stages and not getattr(args, "base_eval", True):

@@ -494,7 +494,9 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     default = run.parse(arpo.Args, [], arpo.PRESETS, arpo.check_args)
     assert (default.group_size, default.initial_rollouts, default.rollout, default.attribution) == (
         8, 4, "arpo", "soft")
-    assert (default.cold_start_episodes, default.cold_start_lr, default.lr) == (32, 1e-4, 5e-6)
+    assert (default.cold_start_episodes, default.cold_start_epochs, default.cold_start_lr,
+            default.lr) == (32, 2, 2.5e-5, 1e-5)
+    assert (default.eval_temperature, default.eval_samples) == (1.0, 4)  # the held-out: sampled
     # the CPU run: one passage per search, so every kind of question fits the 256-token response budget
     assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 
@@ -599,7 +601,7 @@ def test_dry_run_prints_the_memory_plan_without_loading_weights(capsys):
     ("--clip-high", "-0.1"), ("--dual-clip", "1"), ("--max-grad-norm", "0"), ("--kl-coef", "-0.1"),
     ("--lora-rank", "-1"), ("--cold-start-epochs", "-1"), ("--search-topk", "0"), ("--group-size", "1"),
     ("--initial-rollouts", "0"), ("--initial-rollouts", "9"), ("--max-turns", "0"), ("--seed", "-1"),
-    ("--max-minutes", "-1")])
+    ("--max-minutes", "-1"), ("--eval-samples", "0"), ("--eval-temperature", "-0.5")])
 def test_nonsense_values_end_in_one_line_naming_the_flag(flag, value, monkeypatch, tmp_path):
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the flag was checked")
@@ -618,6 +620,53 @@ def test_one_rollout_per_question_is_refused():
         arpo.main(["--group-size", "1", "--initial-rollouts", "1"])
     with pytest.raises(SystemExit, match=r"^arpo.py: --initial-rollouts 3: must be <= --group-size \(2\)"):
         arpo.main(["--group-size", "2", "--initial-rollouts", "3"])
+
+
+def test_several_greedy_held_out_responses_are_refused():
+    # greedy responses to one question are all alike: a second one only repeats the first
+    with pytest.raises(SystemExit, match=r"^arpo.py: --eval-samples 2: must be 1 with --eval-"
+                                         r"temperature 0 \(greedy responses are all alike"):
+        arpo.main(["--eval-temperature", "0", "--eval-samples", "2"])
+
+
+@pytest.mark.parametrize("temperature, samples", [(0.0, 1), (0.7, 3)])
+def test_held_out_plays_each_question_eval_samples_times_at_eval_temperature(
+        temperature, samples, tmp_path, monkeypatch):
+    """Each held-out question is answered --eval-samples times at --eval-temperature (a seed per
+    response, so the samples differ), and the success is the mean over all of them; training
+    rollouts keep --temperature."""
+    from common.generation import HFGenerator
+    real, calls = HFGenerator.generate, []
+
+    def recording(self, prompts, *a, **k):
+        calls.append((len(prompts), k["temperature"], k["seeds"]))
+        return real(self, prompts, *a, **k)
+
+    monkeypatch.setattr(HFGenerator, "generate", recording)
+    out = tmp_path / "run"
+    final = arpo.main([*TOY, "--steps", "1", "--eval-tasks", "2", "--no-base-eval",
+                       "--eval-temperature", str(temperature), "--eval-samples", str(samples),
+                       "--out", str(out)])
+    rows = [json.loads(line) for line in open(out / "transcripts" / "rl.jsonl")]
+    assert len(rows) == 2 * samples
+    assert sum(row["won"] for row in rows) / len(rows) == final["rl"]["eval/success_rate"]
+    # the first and the last generate calls: the evaluations before and after RL (toy: one segment)
+    for held_out in (calls[0], calls[-1]):
+        assert held_out[:2] == (2 * samples, temperature)
+        assert len(set(held_out[2])) == 2 * samples  # a seed per response
+    assert {t for _, t, _ in calls[1:-1]} == {1.0}  # the training rollouts: --temperature
+
+
+def test_held_out_samples_repeat_their_noise_so_an_lr_0_run_evaluates_equal(tmp_path):
+    """Sampled held-out responses draw the same noise at every evaluation: with --lr 0 the
+    evaluations before and after RL are the same responses (step-dependent seeds differ)."""
+    out = tmp_path / "run"
+    arpo.main([*TOY, "--steps", "2", "--eval-tasks", "3", "--no-base-eval", "--lr", "0",
+               "--eval-temperature", "1", "--eval-samples", "4", "--out", str(out)])
+    before, after = (open(out / "transcripts" / f"{s}.jsonl").read() for s in ("cold_start", "rl"))
+    assert before == after and len(before.splitlines()) == 12
+    assert len({json.loads(line)["prompt"] + str(json.loads(line)["turns"])
+                for line in before.splitlines()}) > 3  # and the 4 samples of a question differ
 
 
 def test_paper_preset_keeps_explicit_flags_in_every_spelling():

@@ -156,7 +156,7 @@ def test_t2po_dry_run_plans_from_the_envs_prompts(capsys):
     # first observation, so the longest is at least that long
     env = make_env("textworld", level=4, train_games=16, eval_games=32, holdout="walkthrough")
     assert prompts == 64 and chars > len(env.reset(env.tasks("train")[0])[0])
-    assert "rollout rows 32 = max(ceil(4 tasks / 1 ranks) * group 4, 32 held-out on rank 0)" in out
+    assert "rollout rows 32 = max(ceil(4 tasks / 1 ranks) * group 4, 32 held-out responses on rank 0)" in out
     assert f"HF, 32 sequences of {seq} decoding at once" in out
     # an env whose package is missing: the old assumption, said as such
     t2po.main(["--dry-run", "--env", "webshop", "--model", "tiny-random"])

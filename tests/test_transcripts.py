@@ -35,6 +35,7 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
     out = tmp_path / "run"
     common = ["--model", "tiny-random", "--steps", "1", "--eval-tasks", "2", "--threads", "1",
               "--out", str(out)]
+    per_task = 1
     if script == "loop":
         loop.main(["--env", "textworld", "--group-size", "2", "--tasks-per-step", "1", "--base-eval",
                    "--cold-start-episodes", "2", *common])
@@ -43,13 +44,14 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
         arpo.main(["--env", "tools", "--group-size", "2", "--initial-rollouts", "2", "--tasks-per-step", "1",
                    "--max-new-tokens", "16", "--max-minutes", "0", *common])
         stages, before = ["base", "rl"], "base"  # no expert demonstration fits 16 tokens: no cold start
+        per_task = arpo.Args.eval_samples  # sampled responses per held-out question
     else:
         t2po.main(["--env", "toy", "--group-size", "2", "--no-cold-start", *common])
         stages, before = ["base", "rl"], "base"
     printed = capsys.readouterr().out
     for stage in stages:
         episodes = _episodes(out, stage)
-        assert len(episodes) == 2  # one per held-out task
+        assert len(episodes) == 2 * per_task  # per held-out task: one, or arpo's --eval-samples
         for ep in episodes:
             assert {"task", "won", "reward", "turns"} <= set(ep) and ep["turns"]
             for turn in ep["turns"]:
@@ -64,7 +66,8 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
     assert printed.count("--- held-out episode ") == 2
     assert re.search(rf"--- held-out episode \d .*, {before}: (won|lost)", printed)
     assert re.search(r"--- held-out episode \d .*, rl: (won|lost)", printed)
-    assert re.search(r"held-out success \(2 tasks\): base \d/2 .*-> rl \d/2", printed)
+    # arpo.py: the mean over --eval-samples sampled responses a question (a quarter of a task each)
+    assert re.search(r"held-out success \(2 tasks\): base [\d.]+/2 .*-> rl [\d.]+/2", printed)
 
 
 def test_the_episode_shown_is_the_first_whose_outcome_changed(tmp_path, capsys):
@@ -99,3 +102,6 @@ def test_the_summary_says_when_the_base_model_was_not_evaluated(tmp_path, capsys
         lines = capsys.readouterr().out.splitlines()
         assert "held-out success (2 tasks): cold_start 1/2 -> rl 2/2" in lines
         assert ("base model not evaluated (--no-base-eval; --base-eval runs it)" in lines) is not base_eval
+    extra["rl"]["eval/success_rate"] = 0.625  # 5 of 8 sampled responses: 1.25 tasks' worth, not 1
+    run.report(SimpleNamespace(out=str(tmp_path), base_eval=True), extra, 2)
+    assert "held-out success (2 tasks): cold_start 1/2 -> rl 1.25/2" in capsys.readouterr().out
