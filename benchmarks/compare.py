@@ -149,7 +149,7 @@ def before_rl(name: str):
 
 
 def held_out_gain(rows) -> float | None:
-    """Held-out games won after RL minus before it (after the cold start), in one run."""
+    """Held-out games (responses) won after RL minus before it (after the cold start), in one run."""
     before, after = before_rl("success_rate")(rows), last("eval/success_rate")(rows)
     n = last("eval/rollouts")(rows)
     return None if None in (before, after, n) else round((after - before) * n)
@@ -206,7 +206,8 @@ METRICS = {
         ("tool calls per question, held-out after RL ↓", last("eval/tool_calls_per_question"), -1),
         ("policy tokens per step (mean over steps) ↓", train_mean("num_tokens"), -1),
         *HELD_OUT,
-        ("held-out questions answered, after − before RL", held_out_gain, 1),
+        ("held-out responses won, after − before RL (one a question when greedy)", held_out_gain,
+         1),
         ("seconds of RL (time_s at the last step) ↓", train_last("time_s"), -1)],
     "loop": HELD_OUT + [
         ("held-out games won, after − before RL", held_out_gain, 1),
@@ -249,13 +250,15 @@ def read_runs(root: str, algo: str) -> tuple[dict[str, dict[int, list[dict]]], i
 
 
 def with_eval_counts(folder: str) -> list[dict]:
-    """A run's metrics rows; a held-out row without its task count (loop.py logged none before
-    eval/rollouts, 2026-12-06) takes it from the run's args.json, --eval-tasks."""
+    """A run's metrics rows; a held-out row without its response count (loop.py logged none before
+    eval/rollouts, 2026-12-06; arpo.py logs none) takes it from the run's args.json: --eval-tasks
+    x --eval-samples (arpo.py's sampled responses a question; 1 where absent)."""
     rows = read_metrics(folder)
     path = os.path.join(folder, "args.json")
     if os.path.exists(path):
         with open(path) as f:
-            n = json.load(f).get("eval_tasks")
+            given = json.load(f)
+        n = given.get("eval_tasks") and given["eval_tasks"] * given.get("eval_samples", 1)
         for row in rows:
             for key in [k for k in row if k.endswith("success_rate") and k.startswith("eval")]:
                 row.setdefault(key.replace("success_rate", "rollouts"), n)

@@ -268,3 +268,15 @@ def test_a_loop_run_without_eval_rollouts_takes_its_count_from_args_json(tmp_pat
     (tmp_path / "loop-demo" / "rl-s7" / "args.json").write_text(json.dumps({"eval_tasks": 32}))
     runs, _ = compare.read_runs(str(tmp_path), "loop-demo")
     assert compare.held_out_gain(runs["rl"][7]) == 16  # (0.75 - 0.25) x 32
+
+
+def test_an_arpo_run_counts_its_sampled_held_out_responses(tmp_path):
+    # 32 questions x 4 sampled responses: a rise of 0.25 / 32 is one response won, not 0 questions
+    rows = [{"step": 0, "eval_cold_start/success_rate": 11 / 128},
+            {"step": 1, "reward_mean": 0.5}, {"step": 1, "eval/success_rate": 12 / 128}]
+    _run(tmp_path, "arpo", "arpo-s7", rows, {})
+    (tmp_path / "arpo" / "arpo-s7" / "args.json").write_text(
+        json.dumps({"eval_tasks": 32, "eval_samples": 4}))
+    runs, _ = compare.read_runs(str(tmp_path), "arpo")
+    assert compare.held_out_gain(runs["arpo"][7]) == 1
+    assert compare.rl_gained(runs["arpo"][7]) == 1.0
