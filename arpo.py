@@ -110,8 +110,8 @@ class Args(run.RunArgs):
     eval_temperature: float = opt("run", 1.0, "held-out sampling temperature (ours; 0: "
                                   "greedy, one response a question): 1.0, --temperature's, scores "
                                   "the policy RL trains, which greedy answers hide", ge=0)
-    eval_samples: int = opt("run", 4, "held-out responses a question at "
-                            "--eval-temperature > 0; the success is their mean (ours)", ge=1)
+    eval_samples: int = opt("run", 4, "held-out responses a question at --eval-temperature > 0 "
+                            "(greedy: one); the success is their mean (ours)", ge=1)
     search_topk: int = opt("environment", 1, "passages per <search> result (ours: 1, so that "
                            "look-ups fit the budget; the env's default: 3; the authors' code: 10 "
                            "web results)", ge=1)
@@ -140,9 +140,6 @@ def check_args(args: Args) -> None:
     if args.initial_rollouts > args.group_size:
         raise cli.bad_flag("arpo.py", "initial_rollouts", args.initial_rollouts,
                            f"must be <= --group-size ({args.group_size}): N of M start globally")
-    if args.eval_temperature == 0 and args.eval_samples > 1:
-        raise cli.bad_flag("arpo.py", "eval_samples", args.eval_samples,
-                           "must be 1 with --eval-temperature 0 (greedy responses are all alike)")
 
 
 # ==================================================================================================
@@ -894,7 +891,8 @@ def evaluate(r: run.Run, pool, tasks: list, args: Args, step: int, stage: str,
     """--eval-samples responses per question at --eval-temperature (greedy: one), no forks, after
     `step` updates: success and reward are means over them; transcripts (the model's text between
     tool results, each result as the observation) in <out>/transcripts."""
-    copies = [task for task in tasks for _ in range(args.eval_samples)]  # (questions x samples,)
+    samples = args.eval_samples if args.eval_temperature > 0 else 1  # greedy ones are all alike
+    copies = [task for task in tasks for _ in range(samples)]  # (questions x samples,)
     rollouts = play(r, pool, copies, list(range(len(copies))), args, step, train=False)
     run.write_transcripts(args, stage, [run.transcript(
         r.tokenizer, x.prompt_ids + x.response_ids, [0] * len(x.prompt_ids) + x.action_mask,

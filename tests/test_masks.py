@@ -274,7 +274,8 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     arpo.main(["--env", "tools", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "3",
                "--initial-rollouts", "2", "--tasks-per-step", "1", "--max-new-tokens", "48", "--temperature",
                str(TEMPERATURE), "--minibatch-size", "2", "--micro-batch-size", "2", "--kl-coef", "0.01",
-               "--lr", "1e-3", "--steps", "1", "--eval-tasks", "1", "--out", str(tmp_path / "run")])
+               "--lr", "1e-3", "--steps", "1", "--eval-tasks", "1", "--out", str(tmp_path / "run"),
+               "--eval-temperature", "0"])  # greedy held-out: the planned draws are the training ones
     check_rows(rows, draws, model)
     [samples] = updates
     # every response as its TrainingSample holds it (mask position t scores token t + 1), with the old
