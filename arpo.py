@@ -140,6 +140,8 @@ def check_args(args: Args) -> None:
     if args.initial_rollouts > args.group_size:
         raise cli.bad_flag("arpo.py", "initial_rollouts", args.initial_rollouts,
                            f"must be <= --group-size ({args.group_size}): N of M start globally")
+    if args.eval_temperature == 0:  # greedy responses to a question are all alike: play one
+        args.eval_samples = 1  # here, so evaluate, --dry-run's plan and args.json agree
 
 
 # ==================================================================================================
@@ -891,8 +893,7 @@ def evaluate(r: run.Run, pool, tasks: list, args: Args, step: int, stage: str,
     """--eval-samples responses per question at --eval-temperature (greedy: one), no forks, after
     `step` updates: success and reward are means over them; transcripts (the model's text between
     tool results, each result as the observation) in <out>/transcripts."""
-    samples = args.eval_samples if args.eval_temperature > 0 else 1  # greedy ones are all alike
-    copies = [task for task in tasks for _ in range(samples)]  # (questions x samples,)
+    copies = [task for task in tasks for _ in range(args.eval_samples)]  # (questions x samples,)
     rollouts = play(r, pool, copies, list(range(len(copies))), args, step, train=False)
     run.write_transcripts(args, stage, [run.transcript(
         r.tokenizer, x.prompt_ids + x.response_ids, [0] * len(x.prompt_ids) + x.action_mask,

@@ -642,6 +642,7 @@ def test_held_out_plays_each_question_eval_samples_times_at_eval_temperature(
                        "--out", str(out)])
     rows = [json.loads(line) for line in open(out / "transcripts" / "rl.jsonl")]
     assert len(rows) == 2 * samples
+    assert json.load(open(out / "args.json"))["eval_samples"] == samples  # what compare.py reads
     assert sum(row["won"] for row in rows) / len(rows) == final["rl"]["eval/success_rate"]
     # the first and the last generate calls: the evaluations before and after RL (toy: one segment)
     for held_out in (calls[0], calls[-1]):
