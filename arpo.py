@@ -76,6 +76,7 @@ class Args(run.RunArgs):
     eval_tasks: int = 32  # tools: none of their answers is a training answer (build_envs)
     group_size: int = 8  # M; with 4, a third of the steps had every group of one outcome
     max_minutes: float = 14.0  # the CPU default's budget: stop early rather than overrun
+    base_eval: bool = False  # the base model writes no well-formed answer; its ~6 min buy nothing
     max_turns: int = opt("environment", 1, "unused: ARPO writes one response per question; "
                          "--max-tool-calls bounds its tool turns", ge=1)
     rollout: Literal["arpo", "global"] = opt("algorithm", "arpo", "arpo: entropy-based adaptive "
@@ -129,6 +130,7 @@ PRESETS: dict[str, dict] = {
                   minibatch_size=256,  # the code's mini-batch: 16 questions x M = 16 responses
                   max_new_tokens=4096, max_minutes=0.0,
                   cold_start=False,  # bring the SFT'd model with --model
+                  base_eval=True,  # and evaluate it before RL
                   search_topk=3,  # ours, the env's default (the code: 10 web results)
                   gradient_checkpointing=True, stop_at_answer=False),
 }
@@ -140,6 +142,9 @@ def check_args(args: Args) -> None:
     if args.initial_rollouts > args.group_size:
         raise cli.bad_flag("arpo.py", "initial_rollouts", args.initial_rollouts,
                            f"must be <= --group-size ({args.group_size}): N of M start globally")
+    if not (args.base_eval or args.cold_start):
+        raise SystemExit("arpo.py: with --no-base-eval and --no-cold-start nothing precedes RL: "
+                         "give --base-eval, or keep the cold start")
     if args.eval_temperature == 0:  # greedy responses to a question are all alike: play one
         args.eval_samples = 1  # here, so evaluate, --dry-run's plan and args.json agree
 

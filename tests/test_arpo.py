@@ -366,7 +366,7 @@ def test_rollout_on_tools_env_with_scripted_policy():
 
 TOY = ["--env", "toy", "--model", "tiny-random", "--backend", "hf", "--tasks-per-step", "2",
        "--group-size", "8", "--initial-rollouts", "4", "--max-new-tokens", "4", "--lr", "5e-2",
-       "--micro-batch-size", "16", "--eval-tasks", "1",
+       "--micro-batch-size", "16", "--eval-tasks", "1", "--base-eval",
        "--max-minutes", "0"]  # ARPO's 14-minute budget would cut a run on a slow or busy machine
 
 
@@ -476,7 +476,7 @@ def test_resume_after_the_cold_start_skips_it_and_reloads_its_kl_reference(tmp_p
     straight, resumed, finals = _killed_then_resumed(small, tmp_path, monkeypatch, kill_at=2,
                                                      before_resume=no_second_cold_start)
     for state, _ in finals:
-        assert state["step"] == 2 and set(state["extra"]) >= {"base", "cold_start"}
+        assert state["step"] == 2 and set(state["extra"]) == {"cold_start"}  # the default: no base eval
     for k, v in finals[0][1].items():
         assert torch.equal(v, finals[1][1][k]), k
     kls = [[x["kl"] for x in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
@@ -497,6 +497,12 @@ def test_paper_preset_is_one_flag_and_explicit_flags_win():
     assert (default.cold_start_episodes, default.cold_start_epochs, default.cold_start_lr,
             default.lr) == (32, 2, 2.5e-5, 1e-5)
     assert (default.eval_temperature, default.eval_samples) == (1.0, 4)  # the held-out: sampled
+    # the base model writes no well-formed answer: the default skips its ~6-minute evaluation; the
+    # paper preset has no cold start, so it evaluates the model it is given before RL
+    assert not default.base_eval and default.cold_start
+    assert run.parse(arpo.Args, ["--preset", "paper"], arpo.PRESETS, arpo.check_args).base_eval
+    with pytest.raises(SystemExit, match="^arpo.py: with --no-base-eval and --no-cold-start"):
+        run.parse(arpo.Args, ["--no-cold-start"], arpo.PRESETS, arpo.check_args)
     # the CPU run: one passage per search, so every kind of question fits the 256-token response budget
     assert (default.search_topk, default.max_new_tokens, args.search_topk) == (1, 256, 3)
 

@@ -932,5 +932,5 @@ def test_the_mechanisms_summary_counts_groups_dropped_rollouts_clip_and_kl_by_ha
 
 def test_no_base_eval_without_the_cold_start_is_refused_before_anything_loads():
     # the default preset skips the base evaluation: without the cold start nothing would precede RL
-    with pytest.raises(SystemExit, match="^loop.py: --no-base-eval needs the cold start"):
+    with pytest.raises(SystemExit, match="^loop.py: with --no-base-eval and --no-cold-start nothing precedes RL"):
         loop.main(["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--no-base-eval"])

@@ -271,7 +271,8 @@ def test_arpo_trains_only_sampled_tokens(shape, tmp_path, monkeypatch):
     # --minibatch-size 2 of 3 responses: two minibatches, the second divides by the old log-probs after a
     # step (1e3f13f: --minibatches 2 became --minibatch-size). --kl-coef: every micro-batch computes its loss
     # even when all rewards tie (a random model's format errors: A = 0).
-    arpo.main(["--env", "tools", "--model", folder, "--backend", "hf", "--no-cold-start", "--group-size", "3",
+    arpo.main(["--env", "tools", "--model", folder, "--backend", "hf", "--no-cold-start", "--base-eval",
+               "--group-size", "3",
                "--initial-rollouts", "2", "--tasks-per-step", "1", "--max-new-tokens", "48", "--temperature",
                str(TEMPERATURE), "--minibatch-size", "2", "--micro-batch-size", "2", "--kl-coef", "0.01",
                "--lr", "1e-3", "--steps", "1", "--eval-tasks", "1", "--out", str(tmp_path / "run"),

@@ -141,7 +141,8 @@ def test_t2po_logs_its_base_and_rft_evaluations(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, argv", [
     ("loop", ["--lora-rank", "0", "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4"]),
-    ("arpo", ["--group-size", "2", "--initial-rollouts", "1", "--max-new-tokens", "4", "--max-minutes", "0"]),
+    ("arpo", ["--group-size", "2", "--initial-rollouts", "1", "--max-new-tokens", "4", "--max-minutes", "0",
+              "--base-eval"]),
     ("t2po", ["--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4", "--tti-chunk", "4",
               "--reward", "env"]),
 ])

@@ -783,7 +783,7 @@ def test_no_base_eval_plays_the_held_out_tasks_after_the_cold_start_and_rl_also_
     """--no-base-eval (a seeds study: the base model's greedy evaluation is the same in every seed): no base
     row, transcript or count; the cold start's and RL's evaluations stay. A resume that omits the flag does
     not evaluate its restored (trained) policy as the base model. Without the cold start it is refused."""
-    with pytest.raises(SystemExit, match="--no-base-eval needs the cold start"):
+    with pytest.raises(SystemExit, match="with --no-base-eval and --no-cold-start nothing precedes RL"):
         t2po.main(["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--no-base-eval"])
     out = str(tmp_path / "run")
     argv = ["--env", "webshop-lite", "--model", "tiny-random", "--cold-start-episodes", "2",

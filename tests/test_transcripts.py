@@ -42,7 +42,7 @@ def test_each_evaluation_writes_its_episodes_and_the_run_shows_one(script, tmp_p
         stages, before = ["base", "cold_start", "rl"], "cold_start"
     elif script == "arpo":
         arpo.main(["--env", "tools", "--group-size", "2", "--initial-rollouts", "2", "--tasks-per-step", "1",
-                   "--max-new-tokens", "16", "--max-minutes", "0", *common])
+                   "--max-new-tokens", "16", "--max-minutes", "0", "--base-eval", *common])
         stages, before = ["base", "rl"], "base"  # no expert demonstration fits 16 tokens: no cold start
         per_task = arpo.Args.eval_samples  # sampled responses per held-out question
     else:
