@@ -410,8 +410,11 @@ def tds_should_resample(prev: Response | None, cur: Response, args: Args) -> boo
 # ALGORITHM: the rollout, every episode a turn at a time, a turn generated as one batch: TTI inside
 # generate_turn, TDS resampling a hesitant turn (training only)
 def turn_seed(args: Args, step: int, train: bool, episode: int, turn: int, attempt: int) -> int:
-    """A turn's seed: training step `step`, or an evaluation after `step` updates (−1: RFT)."""
-    return sample_seed(args.seed, step - 1 if train else step, int(train), episode, turn, attempt)
+    """A turn's seed: training step `step`, or an evaluation after `step` updates (−1: RFT). Every
+    evaluation draws the same noise, so two differ only by the weights (--lr 0's are equal)."""
+    if train:
+        return sample_seed(args.seed, step - 1, 1, episode, turn, attempt)
+    return sample_seed(args.seed, min(step, 0), 0, episode, turn, attempt)
 
 
 def rollout(generator, tokenizer, pool: EnvPool, tasks: list, groups: list, args: Args, *,

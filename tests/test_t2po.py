@@ -1310,3 +1310,17 @@ def test_the_mechanisms_summary_counts_cut_and_resampled_turns_by_hand():
     assert "TDS resampled 11 of 80 turns it may (14%)" in text  # turns, not resamples (12)
     assert "repeated the last action in 3, against 7 of the 69 it kept" in text
     assert t2po.mechanism_summary([], args) == "T²PO: no RL step ran"
+
+
+def test_sampled_evaluations_repeat_their_noise_so_an_lr_0_run_evaluates_equal(tmp_path):
+    """--eval-temperature > 0 (the paper's T 0.6): every evaluation draws the same noise, so with
+    --lr 0 the held-out episodes before and after RL are the same (step-dependent seeds differ)."""
+    out = tmp_path / "run"
+    t2po.main(["--env", "toy", "--model", "tiny-random", "--no-cold-start", "--base-eval",
+               "--group-size", "2", "--tasks-per-step", "1", "--steps", "2", "--eval-tasks", "3",
+               "--max-new-tokens", "8", "--tti-chunk", "8", "--lr", "0", "--eval-temperature", "1",
+               "--out", str(out)])
+    before, after = (open(out / "transcripts" / f"{s}.jsonl").read() for s in ("base", "rl"))
+    assert before == after and len(before.splitlines()) == 3
+    responses = [t["response"] for line in before.splitlines() for t in json.loads(line)["turns"]]
+    assert len(set(responses)) > 1  # sampled: the tasks' responses differ
