@@ -124,7 +124,7 @@ def script_argv(script: str, model: str, new_tokens: int, out: str) -> list[str]
                          "--adv-threshold", "0", "--max-seq-len", str(512 + 4 * new_tokens)]
     if script == "arpo":
         return common + ["--group-size", "4", "--initial-rollouts", "2", "--tasks-per-step", "2",
-                         "--micro-batch-size", "4", "--no-cold-start", "--max-minutes", "0"]
+                         "--micro-batch-size", "4", "--no-cold-start", "--base-eval", "--max-minutes", "0"]
     return common + ["--group-size", "4", "--tasks-per-step", "2", "--max-turns", "2",
                      "--micro-batch-size", "4", "--minibatch-size", "8", "--no-cold-start",
                      "--reward", "env"]  # env: the toy's graded reward
