@@ -142,9 +142,6 @@ def check_args(args: Args) -> None:
     if args.initial_rollouts > args.group_size:
         raise cli.bad_flag("arpo.py", "initial_rollouts", args.initial_rollouts,
                            f"must be <= --group-size ({args.group_size}): N of M start globally")
-    if not (args.base_eval or args.cold_start):
-        raise SystemExit("arpo.py: with --no-base-eval and --no-cold-start nothing precedes RL: "
-                         "give --base-eval, or keep the cold start")
     if args.eval_temperature == 0:  # greedy responses to a question are all alike: play one
         args.eval_samples = 1  # here, so evaluate, --dry-run's plan and args.json agree
 

@@ -97,9 +97,6 @@ def check_args(args: Args) -> None:
     if args.max_seq_len <= args.max_new_tokens:
         raise cli.bad_flag("loop.py", "max_seq_len", args.max_seq_len, "must be > --max-new-tokens "
                            f"({args.max_new_tokens}): an episode holds its prompt and a turn")
-    if not (args.base_eval or args.cold_start):
-        raise SystemExit("loop.py: with --no-base-eval and --no-cold-start nothing precedes RL: "
-                         "give --base-eval, or keep the cold start")
 
 
 SYSTEM_PROMPT = ("You are an agent in a text environment. Each turn, reply with exactly one action "

@@ -138,9 +138,6 @@ def check_args(args: Args) -> None:
     """Rules between flags (each flag's bounds are declared with it); the paper presets' warning."""
     if 0 < args.dual_clip <= 1:
         raise cli.bad_flag("t2po.py", "dual_clip", args.dual_clip, "must be > 1 (or 0 = off)")
-    if not (args.base_eval or args.cold_start):
-        raise SystemExit("t2po.py: with --no-base-eval and --no-cold-start nothing precedes RL: "
-                         "give --base-eval, or keep the cold start")
     if args.expert_thoughts == "long" and args.env != "textworld":
         raise cli.bad_flag("t2po.py", "expert_thoughts", args.expert_thoughts, "long thoughts "
                            f"quote TextWorld's task sentences, which --env {args.env!r} lacks")

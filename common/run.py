@@ -127,11 +127,14 @@ def say(*text, **kwargs) -> None:
 def parse(cls: type, argv: list[str] | None, presets: dict, check: Callable | None = None, *,
           overridden_by: dict | None = None):
     """Command line -> Args: the preset filled into every flag not given, then the bounds declared with each
-    flag and the script's own `check` (rules between flags); a bad value ends in one line before anything
-    loads. Sets --threads."""
+    flag, the rule between shared flags and the script's own `check` (rules between its flags); a bad value
+    ends in one line before anything loads. Sets --threads."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = cli.apply_preset(cli.parse_args(cls, argv), argv, presets, overridden_by=overridden_by)
     cli.check_bounds(args, script_name(args))
+    if not (args.base_eval or args.cold_start):  # both shared flags: the rule holds in every script
+        raise SystemExit(f"{script_name(args)}: with --no-base-eval and --no-cold-start nothing "
+                         "precedes RL: give --base-eval, or keep the cold start")
     if check is not None:
         check(args)
     if args.threads > 0:
