@@ -123,10 +123,12 @@ PRESETS: dict[str, dict] = {
     "webshop-lite": dict(env_options='{"num_options": 0, "obs_format": "verl"}', reward="env",
                          tds_max_try=1, autocast="auto"),
     "textworld": dict(
-        steps=8, lr=5e-6, temperature=0.7, base_eval=False, autocast="auto",
+        steps=12, lr=5e-6, temperature=0.7, base_eval=False, autocast="auto",
         env_options='{"level": 4, "train_games": 16, "eval_games": 32, "holdout": "walkthrough"}',
         tasks_per_step=4, group_size=4, eval_tasks=32, max_turns=4, cold_start_episodes=4,
-        cold_start_epochs=2, tds_max_try=1, inadmissible_invalid=True),
+        cold_start_epochs=2, tds_max_try=1, inadmissible_invalid=True,
+        expert_thoughts="long", max_new_tokens=96, tti_chunk=96, tti_epsilon=0.12, tds_eta=0.013,
+        eval_temperature=0.6, eval_top_p=0.95, eval_top_k=20),
 }
 # the authors' RFT checkpoints, in the Hugging Face collection willhx/t2po (their scripts' MODEL)
 RFT_CHECKPOINTS = {"webshop": "willhx/Qwen3-4B-rft-webshop-5",

@@ -149,9 +149,9 @@ def test_t2po_dry_run_plans_from_the_envs_prompts(capsys):
     t2po.main(["--dry-run", "--backend", "hf"])  # the default: textworld, 4 tasks x 4 rollouts, 32 held out
     out = capsys.readouterr().out
     found = re.search(r"sequence (\d+) tokens: the longest of (\d+) turn prompts, (\d+) chars / 2 \+ 32 "
-                      r"chat-template tokens \+ 40 response", out)
+                      r"chat-template tokens \+ 96 response", out)
     seq, prompts, chars = (int(x) for x in found.groups())
-    assert seq == -(-chars // 2) + 32 + 40 and seq < 4096  # not 4096 + max-new-tokens whatever the env
+    assert seq == -(-chars // 2) + 32 + 96 and seq < 4096  # not 4096 + max-new-tokens whatever the env
     # 16 training games played by the expert, 4 turns each (level 4); the first prompt holds the game's
     # first observation, so the longest is at least that long
     env = make_env("textworld", level=4, train_games=16, eval_games=32, holdout="walkthrough")

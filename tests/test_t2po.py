@@ -497,14 +497,17 @@ def test_env_presets_apply_the_paper_settings_but_flags_win():
 
 def test_textworld_preset_is_the_default_run_and_flags_win():
     args = run.parse(t2po.Args, [], t2po.PRESETS)  # `python t2po.py`, the `make demo` run
-    assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (8, 5e-6, 1, True)
+    assert args.env == "textworld" and (args.steps, args.lr, args.tds_max_try, args.tti) == (12, 5e-6, 1, True)
     assert (args.temperature, args.inadmissible_invalid, args.base_eval) == (0.7, True, False)
+    # long expert thoughts that TTI can cut, ε and η by docs/t2po.md's rule, the paper's val sampling
+    assert (args.expert_thoughts, args.tti_chunk, args.tti_epsilon, args.tds_eta) == ("long", 96, 0.12, 0.013)
+    assert (args.eval_temperature, args.eval_top_p, args.eval_top_k) == (0.6, 0.95, 20)
     argv = ["--env", "textworld", "--steps", "1", "--base-eval"]
     args = run.parse(t2po.Args, argv, t2po.PRESETS, overridden_by={"epochs": "steps"})
     assert json.loads(args.env_options) == {"level": 4, "train_games": 16, "eval_games": 32,
                                             "holdout": "walkthrough"}
     assert (args.tasks_per_step, args.group_size, args.max_new_tokens, args.max_turns,
-            args.cold_start_episodes, args.eval_tasks) == (4, 4, 40, 4, 4, 32)
+            args.cold_start_episodes, args.eval_tasks) == (4, 4, 96, 4, 4, 32)
     assert args.steps == 1 and args.base_eval
 
 
