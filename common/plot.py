@@ -115,7 +115,7 @@ def plot_runs(runs: list[str], out: str) -> list[str]:
     panels = [(title, value) for title, value in TRAIN_PANELS
               if any(train_series(rows, value)[0] for rows in data)]
     has_eval = any(eval_series(rows) or probe_series(rows)[0] for rows in data)
-    titles = [t for t, _ in panels[:2]] + (["held-out success (greedy)"] if has_eval else []) \
+    titles = [t for t, _ in panels[:2]] + (["held-out success"] if has_eval else []) \
         + [t for t, _ in panels[2:]]
     if not titles:
         raise ValueError("no run has training or evaluation rows in its metrics.jsonl")
