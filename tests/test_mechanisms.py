@@ -53,7 +53,7 @@ def test_t2po_flags_reach_the_measured_setting_on_top_of_the_default_run(monkeyp
     with pytest.raises(RuntimeError, match="stop here"):
         t2po_tds.real_turns(2, 4, 0, ("--tti-min-think", "8", "--tds-eta", "0.03"))
     args = seen["args"]
-    assert (args.tti_min_think, args.tds_eta, args.tti_epsilon) == (8, 0.03, 0.05)  # ε left at its default
+    assert (args.tti_min_think, args.tds_eta, args.tti_epsilon) == (8, 0.03, 0.12)  # ε left at the default run's
     assert (args.group_size, args.tasks_per_step, args.tds_max_try) == (4, 2, 1)
     assert args.max_turns == 4  # the default run's preset still applies
 
