@@ -41,6 +41,7 @@ class Segment:
     end: int
     keys: Tensor  # (K,) node indices in the row: the ancestors, root first, then start..end-1
     mask: Tensor | None  # (end - start, K) bool; None: no ancestors, plain causal attention
+    spans: tuple[tuple[int, int], ...] = ()  # `keys` as [a, b) ranges of the row, in order
 
 
 def forest_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -63,7 +64,10 @@ def forest_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                 k, v = key[r:r + 1, :, seg.start:seg.end], value[r:r + 1, :, seg.start:seg.end]
                 parts.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
             else:
-                k, v = key[r:r + 1, :, seg.keys], value[r:r + 1, :, seg.keys]  # (1, heads, K, d)
+                # the keys gathered as slices, not by index: an index's backward (index_put with
+                # accumulation) cost 4% of the update
+                k = torch.cat([key[r:r + 1, :, a:b] for a, b in seg.spans], dim=2)  # (1, heads, K, d)
+                v = torch.cat([value[r:r + 1, :, a:b] for a, b in seg.spans], dim=2)
                 parts.append(sdpa(q, k, v, attn_mask=seg.mask, dropout_p=dropout, scale=scaling))
         end = segments[-1].end if segments else 0
         parts.append(value[r:r + 1, :, end:])  # padding nodes attend to themselves alone
@@ -207,8 +211,20 @@ def _segments(chains: list[tuple[int, int]], parent: list[int], flat: list[int],
         keys = torch.tensor(ancestors + list(range(start, start + length)), device=device)
         mask = torch.ones(length, len(keys), dtype=torch.bool)
         mask[:, len(ancestors):] = torch.ones(length, length, dtype=torch.bool).tril()
-        out[r].append(Segment(start, start + length, keys, mask.to(device)))
+        ranges = [(span.start, span.stop) for span in reversed(spans)] + [(start, start + length)]
+        out[r].append(Segment(start, start + length, keys, mask.to(device), _joined(ranges)))
     return out
+
+
+def _joined(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Consecutive [a, b) ranges with each one that starts where the one before ends merged into it."""
+    out = [ranges[0]]
+    for a, b in ranges[1:]:
+        if a == out[-1][1]:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
 
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,

@@ -130,6 +130,9 @@ def test_segments_are_the_chains_drawn_by_hand():
                    (8, 10, [0, 1, 2, 8, 9]),  # row 2: 13 14 under 7 (row 3 adds nothing)
                    (10, 11, [0, 1, 10]),  # row 4: 15 under 6
                    (11, 13, None)]  # row 5: 20 21, a tree of its own
+    # the same keys as ranges of the row, which forest_attention slices
+    assert [s.spans for s in f.segments[0] if s.mask is not None] == [
+        ((0, 5), (7, 8)), ((0, 3), (8, 10)), ((0, 2), (10, 11))]
     two = f.segments[0][2]
     assert two.mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
     for seg in f.segments[0]:  # the same pairs as the forest's attend mask
@@ -177,6 +180,14 @@ def test_checkpointed_layers_recompute_per_segment_with_the_same_gradients(monke
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+def test_a_chain_right_after_its_parent_is_one_span():
+    """[1 2 3 4] continues [1 2 3] at its last node, and its chain is the next node of the row: its
+    keys 0 1 2 3 are one range, not the ancestors' range and its own."""
+    ids, mask = batch([[1, 2, 3], [1, 2, 3, 4]])
+    seg = prefix_forest(ids, mask).segments[0][1]
+    assert (seg.start, seg.keys.tolist(), seg.spans) == (3, [0, 1, 2, 3], ((0, 4),))
+
+
 def test_a_chain_under_a_branch_sees_two_spans_and_the_right_values():
     """[5 6 7 13 16] leaves row 2's chain (13 14) after 13: its keys are two spans, 5 6 7 and 13."""
     rows = ROWS + [[5, 6, 7, 13, 16]]
@@ -184,6 +195,7 @@ def test_a_chain_under_a_branch_sees_two_spans_and_the_right_values():
     f = prefix_forest(ids, mask, max_row_tokens=64)
     seg = f.segments[0][-1]
     assert (seg.start, seg.keys.tolist()) == (13, [0, 1, 2, 8, 13])  # 16 is node 13, after 20 21
+    assert seg.spans == ((0, 3), (8, 9), (13, 14))
     torch.manual_seed(0)
     model, _ = load_policy(TINY_MODEL)
     with torch.no_grad():
