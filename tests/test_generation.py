@@ -9,11 +9,14 @@ import torch.nn.functional as F
 
 from common.generation import (
     HFGenerator,
+    ReservedCache,
     Sample,
     chat_ids,
     filter_top_k_top_p,
     make_generator,
+    new_cache,
     onednn_bf16,
+    pack_linears,
     topk_entropy,
 )
 from common.models import TINY_MODEL, load_policy
@@ -347,7 +350,9 @@ def test_bf16_copy_multiplies_with_packed_weights_that_follow_the_policy():
     gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16)
     gen.generate(PROMPTS, max_new_tokens=2, temperature=0.0)
     linears = [m for m in gen.copy.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(hasattr(m, "packed") for m in linears)
+    shared = [m for m in linears if hasattr(m.forward, "shared")]  # q, k, v and gate, up
+    assert len(shared) == 5 * gen.copy.config.num_hidden_layers
+    assert linears and all(hasattr(m, "packed") for m in linears if m not in shared)
     g = torch.Generator().manual_seed(0)
 
     def check():
@@ -363,6 +368,64 @@ def test_bf16_copy_multiplies_with_packed_weights_that_follow_the_policy():
             p.add_(torch.randn_like(p))  # an optimizer step, in place
     gen.generate(PROMPTS, max_new_tokens=2, temperature=0.0)
     check()  # against the copy's new plain weights: a stale packed weight fails here
+
+
+@pytest.mark.skipif(not onednn_bf16(),
+                    reason="oneDNN has no bf16 kernels on this CPU: the bf16 copy keeps F.linear")
+def test_a_shared_product_gives_each_layer_its_own_product_and_never_a_stale_one():
+    """q, k and v of one input from one stacked product; k of another input is k of that input, not
+    the columns left from q's call."""
+    model, _ = load_policy(TINY_MODEL)
+    model = model.to(torch.bfloat16)
+    pack_linears(model)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    x, other = (torch.randn(3, 1, attn.q_proj.in_features, generator=g).to(torch.bfloat16)
+                for _ in range(2))
+    for layer in (attn.q_proj, attn.k_proj, attn.v_proj):  # HF's order, one input
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert attn.q_proj.forward.shared.outputs is None  # v's call let the activations go
+    attn.q_proj(x)
+    assert torch.equal(attn.k_proj(other), F.linear(other, attn.k_proj.weight))
+    assert torch.equal(attn.v_proj(x), F.linear(x, attn.v_proj.weight))  # after other: anew
+
+
+def test_a_reserved_cache_decodes_as_hfs_dynamic_cache():
+    """ReservedLayer: the same logits and cached keys and values as HF's DynamicLayer over a
+    prefill, decode passes past its first reserve of 64 columns (it grows once), a pass of 3 tokens
+    after cached ones (a prefix cache's prefill), and dropped rows."""
+    from transformers.cache_utils import DynamicCache
+
+    model, _ = load_policy(TINY_MODEL)
+    model.config._attn_implementation = "grouped_eager"
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (3, 80))
+    decode = [(t, t + 1) for t in range(5, 80) if not 20 <= t < 23]
+    passes = sorted([(0, 5), (20, 23)] + decode)  # prefill, decode passes, 3 tokens at 20
+    caches, logits = {"dynamic": DynamicCache(), "reserved": new_cache(model)}, {}
+    assert isinstance(caches["reserved"], ReservedCache)
+    with torch.inference_mode():
+        for name, cache in caches.items():
+            rows, out = torch.arange(3), []
+            for start, end in passes:
+                if start == 40:  # row 1 finished: dropped from the batch and the cache
+                    rows = torch.tensor([0, 2])
+                    cache.batch_select_indices(rows)
+                n = cache.get_seq_length()
+                fed = end - start
+                out.append(model(input_ids=ids[rows, start:end],
+                                 attention_mask=torch.ones(len(rows), n + fed, dtype=torch.long),
+                                 position_ids=torch.arange(n, n + fed).expand(len(rows), -1),
+                                 past_key_values=cache, use_cache=True).logits)
+            logits[name] = out
+    reserved = caches["reserved"].layers[0]
+    assert reserved.key_buffer.shape[2] == 70 + 64  # 5 + 64 after the prefill; at the 70th: 70 + 64
+    for a, b in zip(logits["dynamic"], logits["reserved"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches["reserved"].layers, caches["dynamic"].layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape and theirs.keys.shape[:3] == (2, 2, 80)
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
