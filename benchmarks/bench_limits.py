@@ -28,6 +28,10 @@ as a fraction of the measured peak (prefill and update: GFLOP/s of matmul; decod
      (t2po.microbatches, build_batch, action_logprobs; --micro-batch-size of the preset, under
      run.precision: bf16 autocast where native), --no-share-prefixes and --share-prefixes. π_old's extra
      no-grad forward (more samples than --minibatch-size) and AdamW are not included.
+   --profile: one more shared-prefix forward+backward under torch.profiler, its self CPU time
+     split into matmuls (aten::mm, addmm, bmm, oneDNN linear), attention (SDPA's kernels, forward
+     and backward) and the rest (casts, elementwise layers, gradient accumulation, Python), each
+     also as a share of the profiled time (the profiler's own overhead included).
    FLOPs: c·N·tokens (N: the weights without the embeddings; c = 2 forward, 6 forward+backward) plus the
    vocabulary projection c·V·d on the tokens that get logits (a prefill row's last; the update's action
    tokens) plus attention as computed, 2c·layers·q_width per (query, key) product, masked or not (a
@@ -51,7 +55,7 @@ import torch
 import t2po
 from common import run
 from common.cli import parse_args
-from common.generation import HFGenerator
+from common.generation import HFGenerator, new_cache
 from common.logprobs import prefix_forest
 from common.models import DEFAULT_MODEL, load_policy
 
@@ -73,6 +77,9 @@ class Args:
     peak_shape: str = field(default="4096,576,1536", metadata={"help": "M,K,N of the peak matmul"})
     bandwidth_mb: int = field(default=1000, metadata={"help": "MB of fp32 summed for the bandwidth"})
     json: str = field(default="", metadata={"help": "also write the results to this JSON file"})
+    profile: bool = field(default=False, metadata={
+        "help": "also split one more shared-prefix update by kernel (torch.profiler, self CPU "
+                "time): matmuls, attention, the rest"})
 
 
 def median_time(fn, repeats: int) -> float:
@@ -141,11 +148,13 @@ def play_step(model, tokenizer, args) -> tuple[list, dict]:
     forward, generate, decode = sampler.forward, generator.generate, generator.decode
 
     def recorded_forward(*a, **kw):
+        # behind KV an earlier call left (not replayed), not in an empty cache (new_cache's)
+        cache = kw["past_key_values"]
+        cached = cache is not None and cache.get_seq_length() > 0
         t = time.perf_counter()
         out = forward(*a, **kw)
         seconds, ids = time.perf_counter() - t, kw["input_ids"]
         if rec["rows"] is not None:  # a decode call's first pass: the prefill
-            cached = kw["past_key_values"] is not None  # behind KV an earlier call left: not replayed
             rec["prefill"].append({"kw": None if cached else {k: kw[k].clone() for k in (
                 "input_ids", "attention_mask", "position_ids")}, "seconds": seconds,
                 "processed": ids.numel(), "keys": kw["attention_mask"].shape[1],
@@ -184,8 +193,8 @@ def prefill_part(model, shape: Shape, rec: dict, repeats: int) -> dict:
 
     @torch.inference_mode()
     def replay():
-        for kw in fresh:
-            model(**kw, use_cache=True, logits_to_keep=1)
+        for kw in fresh:  # into the cache the generator starts from
+            model(**kw, past_key_values=new_cache(model), use_cache=True, logits_to_keep=1)
 
     rows = [list(r) for c in calls for r in c["rows"]]  # the full rows (prompt so far) asked for
     processed = sum(c["processed"] for c in calls)
@@ -198,7 +207,28 @@ def prefill_part(model, shape: Shape, rec: dict, repeats: int) -> dict:
             "flops": 2 * (shape.n * processed + shape.head * len(rows)) + 2 * attention}
 
 
-def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: int) -> dict:
+KERNEL_KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
+                "attention": ("scaled_dot_product",)}
+
+
+def by_kernel(fn) -> dict:
+    """Self CPU seconds of `fn`'s ops by KERNEL_KINDS (a name containing one of a kind's strings),
+    the rest as "other", and "total"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    out = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
+    for event in prof.key_averages():
+        kind = next((k for k, names in KERNEL_KINDS.items() if any(n in event.key for n in names)),
+                    "other")
+        out[kind] += event.self_cpu_time_total / 1e6
+    out["total"] = sum(out.values())
+    return out
+
+
+def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: int,
+                profile: bool = False) -> dict:
     micro = [t2po.build_batch(part) for part, _ in t2po.microbatches(samples, args.micro_batch_size, share)]
 
     def forward_backward():
@@ -210,6 +240,7 @@ def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: 
 
     model.train()
     seconds = median_time(forward_backward, repeats)
+    kernels = by_kernel(forward_backward) if profile else None
     model.eval()
     processed, pairs = 0, 0
     for batch in micro:  # the positions token_logprobs computes: padded rows, or the packed forest's
@@ -226,7 +257,8 @@ def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: 
     rows = list(dict.fromkeys(tuple(t.prompt_ids + t.response_ids) for t in samples))
     return {"processed": processed, "distinct": distinct_tokens([list(r) for r in rows]),
             "seconds": seconds, "micro_batches": len(micro), "samples": len(samples),
-            "flops": shape.flops(6, processed, head, pairs), "attention_pairs": pairs}
+            "flops": shape.flops(6, processed, head, pairs), "attention_pairs": pairs,
+            **({"kernels_s": kernels} if kernels else {})}
 
 
 def table(parts: dict, limits: dict, shape: Shape) -> str:
@@ -279,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
     for share in (False, True):
         name = f"update, {'shared prefixes' if share else 'unpacked'} ({step_args.autocast} autocast: " \
                f"{'bf16' if run.bf16_training(step_args) else 'fp32'})"
-        parts[name] = update_part(model, shape, samples, step_args, share, args.repeats)
+        parts[name] = update_part(model, shape, samples, step_args, share, args.repeats,
+                                  profile=args.profile and share)
     print(f"\n{args.model} --setting {args.setting} {args.flags}: {step_args.tasks_per_step} tasks x "
           f"{step_args.group_size}, {len(samples)} turn samples; threads {limits['threads']}, native bf16: "
           f"{', '.join(limits['native_bf16']) or 'none'}; matmul {limits['peak_shape']}: fp32 "
@@ -288,6 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"{shape.weight_bytes / 1e6:.0f} MB of weights; medians of {args.repeats}; load average "
           f"{limits['load_average_1min']:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(table(parts, limits, shape))
+    for name, p in parts.items():
+        if "kernels_s" in p:
+            k = p["kernels_s"]
+            print(f"{name}, by kernel (profiled, {k['total']:.1f} s): " + ", ".join(
+                f"{kind} {k[kind]:.1f} s ({100 * k[kind] / k['total']:.0f}%)"
+                for kind in (*KERNEL_KINDS, "other")))
     result = {"args": vars(args), "limits": limits, "parts": parts, "n_nonembedding": shape.n}
     if args.json:
         json.dump(result, open(args.json, "w"), indent=1)

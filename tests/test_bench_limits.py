@@ -18,7 +18,7 @@ def test_a_tiny_step_reports_every_part(tmp_path, capsys):
     # one task, a group of 4 identical first prompts: the update's unpacked rows repeat the prompt
     result = bench_limits.main([
         "--model", "tiny-random", "--repeats", "1", "--threads", "1", "--peak-shape", "128,64,64",
-        "--bandwidth-mb", "8", "--json", str(out),
+        "--bandwidth-mb", "8", "--json", str(out), "--profile",
         "--flags", "--tasks-per-step 1 --group-size 4 --max-new-tokens 6 --max-turns 1 --no-tds --no-tti"])
     printed = capsys.readouterr().out
     parts = result["parts"]
@@ -45,6 +45,14 @@ def test_a_tiny_step_reports_every_part(tmp_path, capsys):
     # the generator prefills the group's one prompt once: no repeat, but the first row counts all
     assert prefill["calls"] == 1 and prefill["distinct"] == prefill["processed"] == prefill["real_tokens"]
     assert json.loads(out.read_text())["parts"].keys() == parts.keys()
+    # --profile: the shared update's time by kernel, each kind present, summing to the total
+    kernels = shared["kernels_s"]
+    assert all(kernels[kind] > 0 for kind in ("matmul", "attention", "other"))
+    kinds = kernels["matmul"] + kernels["attention"] + kernels["other"]
+    assert abs(kinds - kernels["total"]) < 1e-9
+    assert "kernels_s" not in unpacked
+    assert any(line.startswith("update, shared prefixes") and "by kernel" in line
+               for line in printed.splitlines())
 
 
 def test_with_tti_the_prefix_cache_prefills_each_chunk_behind_the_kv_before_it(capsys):
