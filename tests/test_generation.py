@@ -383,11 +383,35 @@ def test_a_shared_product_gives_each_layer_its_own_product_and_never_a_stale_one
     x, other = (torch.randn(3, 1, attn.q_proj.in_features, generator=g).to(torch.bfloat16)
                 for _ in range(2))
     for layer in (attn.q_proj, attn.k_proj, attn.v_proj):  # HF's order, one input
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
+        close(layer(x), F.linear(x, layer.weight))
     assert attn.q_proj.forward.shared.outputs is None  # v's call let the activations go
     attn.q_proj(x)
-    assert torch.equal(attn.k_proj(other), F.linear(other, attn.k_proj.weight))
-    assert torch.equal(attn.v_proj(x), F.linear(x, attn.v_proj.weight))  # after other: anew
+    close(attn.k_proj(other), F.linear(other, attn.k_proj.weight))
+    close(attn.v_proj(x), F.linear(x, attn.v_proj.weight))  # after other: anew
+
+
+@pytest.mark.skipif(not onednn_bf16(),
+                    reason="oneDNN has no bf16 kernels on this CPU: the bf16 copy keeps F.linear")
+def test_a_shared_product_adds_each_layers_bias():
+    """Qwen2's q, k and v projections have biases: each part adds its own (and none where a layer
+    has none)."""
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    block.q_proj, block.k_proj = torch.nn.Linear(16, 8), torch.nn.Linear(16, 4)
+    block.v_proj = torch.nn.Linear(16, 4, bias=False)
+    block = block.to(torch.bfloat16)
+    for layer in (block.q_proj, block.k_proj):
+        torch.nn.init.uniform_(layer.bias, 1.0, 2.0)  # large enough that a lost bias shows
+    pack_linears(block)
+    assert hasattr(block.q_proj.forward, "shared")
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    for layer in (block.q_proj, block.k_proj, block.v_proj):
+        close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """oneDNN's packed bf16 product against F.linear's: equal up to bf16 rounding on any CPU."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_a_reserved_cache_decodes_as_hfs_dynamic_cache():
