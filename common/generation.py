@@ -471,10 +471,10 @@ class SharedProduct:
     def __init__(self, layers: list[torch.nn.Linear]):
         self.sizes = [layer.out_features for layer in layers]
         self.packed = reorder(torch.cat([layer.weight for layer in layers]))  # (sum out, in)
-        biases = [layer.weight.new_zeros(layer.out_features) if layer.bias is None else layer.bias
-                  for layer in layers]
-        any_bias = any(layer.bias is not None for layer in layers)
-        self.bias = torch.cat(biases).detach() if any_bias else None
+        self.bias = None
+        if any(layer.bias is not None for layer in layers):  # zeros for a layer without one
+            self.bias = torch.cat([layer.weight.new_zeros(layer.out_features) if layer.bias is None
+                                   else layer.bias for layer in layers]).detach()
         self.input, self.outputs = None, None
 
     def part(self, i: int):

@@ -36,12 +36,16 @@ def _decoder(model: nn.Module) -> nn.Module:
 @dataclass
 class Segment:
     """Nodes [start, end) of a packed row that one row added to the forest: a chain, so each of them
-    attends to `keys` (its ancestors before `start`, then the chain itself) under `mask`."""
+    attends to its keys (its ancestors before `start`, then the chain itself) under `mask`."""
     start: int
     end: int
-    keys: Tensor  # (K,) node indices in the row: the ancestors, root first, then start..end-1
+    spans: tuple[tuple[int, int], ...]  # the keys as [a, b) ranges: ancestors (root first), chain
     mask: Tensor | None  # (end - start, K) bool; None: no ancestors, plain causal attention
-    spans: tuple[tuple[int, int], ...] = ()  # `keys` as [a, b) ranges of the row, in order
+
+    @property
+    def keys(self) -> Tensor:
+        """(K,) the keys' node indices in the row (on the CPU)."""
+        return torch.tensor([i for a, b in self.spans for i in range(a, b)])
 
 
 def forest_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -203,16 +207,14 @@ def _segments(chains: list[tuple[int, int]], parent: list[int], flat: list[int],
             spans.append(range(flat[top] - r * width, flat[p] - r * width + 1))
             p = parent[top]
         length = end - first
-        if not spans:
-            out[r].append(Segment(start, start + length,
-                                  torch.arange(start, start + length, device=device), None))
-            continue
-        ancestors = [i for span in reversed(spans) for i in span]  # root first
-        keys = torch.tensor(ancestors + list(range(start, start + length)), device=device)
-        mask = torch.ones(length, len(keys), dtype=torch.bool)
-        mask[:, len(ancestors):] = torch.ones(length, length, dtype=torch.bool).tril()
         ranges = [(span.start, span.stop) for span in reversed(spans)] + [(start, start + length)]
-        out[r].append(Segment(start, start + length, keys, mask.to(device), _joined(ranges)))
+        if not spans:
+            out[r].append(Segment(start, start + length, tuple(ranges), None))
+            continue
+        ancestors = sum(len(span) for span in spans)
+        mask = torch.ones(length, ancestors + length, dtype=torch.bool)
+        mask[:, ancestors:] = torch.ones(length, length, dtype=torch.bool).tril()
+        out[r].append(Segment(start, start + length, _joined(ranges), mask.to(device)))
     return out
 
 
