@@ -198,10 +198,9 @@ def private_mounts():
     # the call is not run. A mount under a cover, or under another mount, is out of reach.
     flag = {b"ro": MS_RDONLY, b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC,
             b"noatime": 1024, b"nodiratime": 2048, b"relatime": 4096, b"nosymfollow": 256}
-    unescape = lambda m: bytes([int(m.group(1), 8)])  # mountinfo writes " " as \040
 
-    def mounts():  # {mount id: (mount point, flags)}
-        return {f[0]: (re.sub(rb"\\([0-7]{3})", unescape, f[4]),
+    def mounts():  # {mount id: (mount point, flags)}; mountinfo writes " " as \040
+        return {f[0]: (re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), f[4]),
                        sum(flag.get(o, 0) for o in f[5].split(b",")))
                 for f in map(bytes.split, open("/proc/self/mountinfo", "rb").read().splitlines())}
 
@@ -312,22 +311,38 @@ def landlock():
     need(libc.syscall(L(446), L(ruleset), L(0)) == 0, "Landlock")
     os.close(ruleset)
 
-def seccomp():
-    # classic BPF over seccomp_data (nr at 0, arch at 4, args at 16 + 8 i; the low 32 bits suffice:
-    # pids, flags and address families are ints). x86-64 numbers.
-    me = os.getpid()
-    ALLOW, KILL, DENY, NOSYS = (0x7FFF0000, 0x80000000,
-                                0x50000 | 1, 0x50000 | 38)  # ERRNO: EPERM, ENOSYS
-    ld = lambda off: (0x20, 0, 0, off)
-    jeq = lambda k, jt, jf: (0x15, jt, jf, k)
-    jset = lambda k, jt, jf: (0x45, jt, jf, k)
-    ret = lambda k: (0x06, 0, 0, k)
-    arg = lambda i: ld(16 + 8 * i)
-    only = lambda nr, *body: [jeq(nr, 0, len(body)), *body]
+# classic BPF over seccomp_data (nr at 0, arch at 4, args at 16 + 8 i; the low 32 bits suffice:
+# pids, flags and address families are ints); an instruction is (opcode, jump if true, if false, k)
+ALLOW, KILL, DENY, NOSYS = (0x7FFF0000, 0x80000000,
+                            0x50000 | 1, 0x50000 | 38)  # ERRNO: EPERM, ENOSYS
+
+def ld(offset):
+    return (0x20, 0, 0, offset)
+
+def arg(i):
+    return ld(16 + 8 * i)
+
+def jeq(k, jt, jf):
+    return (0x15, jt, jf, k)
+
+def jset(k, jt, jf):
+    return (0x45, jt, jf, k)
+
+def ret(k):
+    return (0x06, 0, 0, k)
+
+def only(nr, *body):
+    # body for syscall nr; any other jumps past it
+    return [jeq(nr, 0, len(body)), *body]
+
+def refuse(nr, i, values):
     # syscall nr with argument i equal to one of values: EPERM
-    refuse = lambda nr, i, values: only(nr, arg(i),
-                                        *[jeq(v, len(values) - j, 0) for j, v in enumerate(values)],
-                                        ret(ALLOW), ret(DENY))
+    equal = [jeq(v, len(values) - j, 0) for j, v in enumerate(values)]
+    return only(nr, arg(i), *equal, ret(ALLOW), ret(DENY))
+
+def seccomp():
+    # x86-64 numbers
+    me = os.getpid()
     prog = [ld(4), jeq(0xC000003E, 1, 0), ret(KILL),
             ld(0), (0x35, 0, 1, 0x40000000), ret(DENY)]  # x32: no
     # kill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo: to itself only
@@ -417,9 +432,9 @@ def disk_over(pid):
         st = os.statvfs(wd)
         used, entries = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree - 1
         return used > limit or entries > cfg["max_files"]
-    # C: the working dir is on the host's disk: walked read only, through folder fds (a folder's name
-    # may be swapped for a symlink to a host folder: RENAME_EXCHANGE), names past PATH_MAX too, each
-    # file once however many links it has; plus the files the code holds open or mapped once
+    # C: the working dir is on the host's disk: walked read only, through folder fds (a folder's
+    # name may be swapped for a symlink to a host folder: RENAME_EXCHANGE), names past PATH_MAX,
+    # each file once however many links it has; plus the files the code holds open or mapped once
     # unlinked (O_TMPFILE too), which no walk sees -- not a file with a name (a library held open)
     used, entries, seen, frames = 0, 0, set(), []  # frames: [folder fd, subfolders left], a level
     DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -634,7 +649,8 @@ def _world_traversable(path: str) -> bool:
     # a dropped uid must be able to reach the python interpreter and its packages: "x" for others
     # on the path and every folder above it
     parts = os.path.realpath(path).split("/")
-    return all(os.stat("/".join(parts[:i]) or "/").st_mode & 0o001 for i in range(1, len(parts) + 1))
+    return all(os.stat("/".join(parts[:i]) or "/").st_mode & 0o001
+               for i in range(1, len(parts) + 1))
 
 
 def _next_uid() -> int:
@@ -919,8 +935,8 @@ def _call(code: bytes, limits: SandboxLimits, namespaces: list[str], uid: int | 
         if uid is not None:
             os.chown(wd, uid, uid)
         dirs = _new_cgroup(limits) if cgroup else []
-        out, stop, verdict, rc = _execute(_config(wd, uid, namespaces, mounts, kernel, limits, dirs),
-                                          namespaces, code, limits)
+        config = _config(wd, uid, namespaces, mounts, kernel, limits, dirs)
+        out, stop, verdict, rc = _execute(config, namespaces, code, limits)
         if verdict is not None:  # the runner has reaped the code: the cgroup's counts are final
             verdict.update(_cgroup_events(dirs))
         return out, stop, verdict, rc
@@ -969,8 +985,9 @@ def _execute(cfg: dict, namespaces: list[str], code: bytes, limits: SandboxLimit
     cfg = {**cfg, "verdict_fd": vw}
     try:
         # -u: what the code printed before the kernel killed it (SIGSYS, SIGKILL) is in the output
-        proc = subprocess.Popen([*namespaces, sys.executable, "-I", "-u", "-X", "utf8", "-c", RUNNER,
-                                 json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        argv = [*namespaces, sys.executable, "-I", "-u", "-X", "utf8", "-c", RUNNER,
+                json.dumps(cfg)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=_sandbox_env(cfg["wd"]),
                                 cwd=cfg["wd"], start_new_session=True, pass_fds=(vw,))
     except BaseException:
