@@ -14,7 +14,10 @@ import pytest
 
 from envs.sandbox import UID_BASE, UID_SPAN, SandboxLimits, isolation, run_python, run_python_many
 
-FAST = SandboxLimits(timeout_s=3, cpu_s=2, memory_mb=512, file_size_mb=2, max_output_chars=500)
+# a slow machine (tests/vm/cgroup2.sh, under software emulation) multiplies the short timeouts
+SLOW = int(os.environ.get("SANDBOX_TEST_SLOW", "1"))
+FAST = SandboxLimits(timeout_s=3 * SLOW, cpu_s=2 * SLOW, memory_mb=512, file_size_mb=2,
+                     max_output_chars=500)
 
 
 def without_guard(limits: SandboxLimits = FAST) -> SandboxLimits:
@@ -943,10 +946,10 @@ def _unmount(spec: dict) -> None:
         subprocess.run(["umount", "-l", spec["locked"]])
 
 
-# A slow machine (tests/vm/cgroup2.sh, under software emulation) runs a few cases only, with the
-# snippets' default timeouts multiplied: SANDBOX_TEST_CASES=a,b SANDBOX_TEST_SLOW=10
+# A slow machine runs a few cases only, with the snippets' default timeouts multiplied:
+# SANDBOX_TEST_CASES=a,b SANDBOX_TEST_SLOW=10
 ONLY_SLOW = {"only": [c for c in os.environ.get("SANDBOX_TEST_CASES", "").split(",") if c],
-             "slow": int(os.environ.get("SANDBOX_TEST_SLOW", "1"))}
+             "slow": SLOW}
 
 
 def _cgroups_expected() -> bool:
