@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The sandbox's tests on a machine whose kernel has cgroup v2 alone (this repository's CI machine
-# has v1): boots Debian's kernel under qemu with this machine's root, read-only over 9p, and runs
+# The sandbox's tests on a machine whose kernel has cgroup v2 alone (the development machine has
+# v1): boots Debian's kernel under qemu with this machine's root, read-only over 9p, and runs
 # tests/test_sandbox.py there as root (`root`, the default) or as an ordinary user with a delegated
 # subtree (`user`). Needs Debian's qemu-system-x86, linux-image-amd64 and initramfs-tools, root,
 # and `make install` done. Software emulation (no KVM needed), on 2 cores: about 7 minutes as
 # root, 5 as the user. The hostile snippets a cgroup changes, with their timeouts x10.
 #   tests/vm/cgroup2.sh [root|user]    # prints the log; exit status 0 if pytest passed
+# VM_TIMEOUT_S (default 2400) stops a VM that never reaches the tests; its console's tail is shown.
 set -euo pipefail
 who=${1:-root}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -22,7 +23,8 @@ accel=tcg
 cmdline="console=ttyS0 quiet root=host0 rootfstype=9p ro panic=-1"
 cmdline+=" rootflags=trans=virtio,version=9p2000.L,msize=262144"
 cmdline+=" init=$repo/tests/vm/cgroup2_init.sh repo=$repo who=$who"
-qemu-system-x86_64 -accel $accel -m 4096 -smp 2 -nographic -no-reboot \
+# a VM that never reaches the tests (an initramfs shell waits on its console) is stopped
+timeout "${VM_TIMEOUT_S:-2400}" qemu-system-x86_64 -accel $accel -m 4096 -smp 2 -nographic -no-reboot \
     -kernel "$kernel" -initrd "$work/initrd" \
     -virtfs local,path=/,mount_tag=host0,security_model=passthrough,readonly=on,multidevs=remap \
     -virtfs local,path="$work/out",mount_tag=out,security_model=passthrough \
