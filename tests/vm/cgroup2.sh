@@ -28,7 +28,7 @@ timeout "${VM_TIMEOUT_S:-2400}" qemu-system-x86_64 -accel $accel -m 4096 -smp 2 
     -kernel "$kernel" -initrd "$work/initrd" \
     -virtfs local,path=/,mount_tag=host0,security_model=passthrough,readonly=on,multidevs=remap \
     -virtfs local,path="$work/out",mount_tag=out,security_model=passthrough \
-    -append "$cmdline" > "$work/console" 2>&1 || true
+    -append "$cmdline" < /dev/null > "$work/console" 2>&1 || true
 if [ ! -s "$work/out/log" ]; then  # the VM did not reach the tests: its console says why
     tail -30 "$work/console"
     exit 1
