@@ -252,7 +252,7 @@ def update_part(model, shape: Shape, samples: list, args, share: bool, repeats: 
         forest = prefix_forest(ids, batch["attention_mask"])
         processed += forest.input_ids.numel() - ids.numel()
         for segments in forest.segments:  # per segment: its queries x (its ancestors + itself)
-            pairs += sum((s.end - s.start) * len(s.keys) for s in segments)
+            pairs += sum((s.end - s.start) * (b - a) for s in segments for a, b in s.spans)
     head = int(sum(b["targets"].sum() for b in micro))  # the distinct rows' action tokens get logits
     rows = list(dict.fromkeys(tuple(t.prompt_ids + t.response_ids) for t in samples))
     return {"processed": processed, "distinct": distinct_tokens([list(r) for r in rows]),
