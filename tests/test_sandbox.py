@@ -14,8 +14,11 @@ import pytest
 
 from envs.sandbox import UID_BASE, UID_SPAN, SandboxLimits, isolation, run_python, run_python_many
 
-# a slow machine (tests/vm/cgroup2.sh, under software emulation) multiplies the short timeouts
+# a slow machine (tests/vm/cgroup2.sh, under software emulation) runs a few hostile cases only
+# and multiplies the short timeouts: SANDBOX_TEST_CASES=a,b SANDBOX_TEST_SLOW=10
 SLOW = int(os.environ.get("SANDBOX_TEST_SLOW", "1"))
+ONLY_SLOW = {"only": [c for c in os.environ.get("SANDBOX_TEST_CASES", "").split(",") if c],
+             "slow": SLOW}
 FAST = SandboxLimits(timeout_s=3 * SLOW, cpu_s=2 * SLOW, memory_mb=512, file_size_mb=2,
                      max_output_chars=500)
 
@@ -944,12 +947,6 @@ def _locked_mount(work: str, owner: int | None) -> str | None:
 def _unmount(spec: dict) -> None:
     if spec.get("locked"):
         subprocess.run(["umount", "-l", spec["locked"]])
-
-
-# A slow machine runs a few cases only, with the snippets' default timeouts multiplied:
-# SANDBOX_TEST_CASES=a,b SANDBOX_TEST_SLOW=10
-ONLY_SLOW = {"only": [c for c in os.environ.get("SANDBOX_TEST_CASES", "").split(",") if c],
-             "slow": SLOW}
 
 
 def _cgroups_expected() -> bool:

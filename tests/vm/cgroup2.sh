@@ -19,12 +19,13 @@ cp -r /etc/initramfs-tools "$work/conf"
 printf '9p\n9pnet\n9pnet_virtio\n' >> "$work/conf/modules"
 mkinitramfs -d "$work/conf" -o "$work/initrd" "$version"
 mkdir "$work/out"
-accel=tcg
 cmdline="console=ttyS0 quiet root=host0 rootfstype=9p ro panic=-1"
 cmdline+=" rootflags=trans=virtio,version=9p2000.L,msize=262144"
 cmdline+=" init=$repo/tests/vm/cgroup2_init.sh repo=$repo who=$who"
-# a VM that never reaches the tests (an initramfs shell waits on its console) is stopped
-timeout "${VM_TIMEOUT_S:-2400}" qemu-system-x86_64 -accel $accel -m 4096 -smp 2 -nographic -no-reboot \
+# software emulation (tcg): KVM nested in this machine hangs before the kernel prints anything;
+# a VM that never reaches the tests (a shell or login prompt waits on its console) is stopped
+timeout "${VM_TIMEOUT_S:-2400}" qemu-system-x86_64 -accel tcg -m 4096 -smp 2 -nographic \
+    -no-reboot \
     -kernel "$kernel" -initrd "$work/initrd" \
     -virtfs local,path=/,mount_tag=host0,security_model=passthrough,readonly=on,multidevs=remap \
     -virtfs local,path="$work/out",mount_tag=out,security_model=passthrough \

@@ -1,8 +1,8 @@
 #!/bin/sh
 # PID 1 of the VM that tests/vm/cgroup2.sh boots: the host's root, read-only over 9p, with the
-# cgroup v2 hierarchy alone (memory and pids controllers). Runs tests/test_sandbox.py as root and
-# as an ordinary user in a delegated subtree, as systemd would give one; the log goes to the
-# writable share, then the VM powers off.
+# cgroup v2 hierarchy alone (memory and pids controllers). Runs tests/test_sandbox.py as root or
+# (who=user) as an ordinary user in a delegated subtree, as systemd would give one; the log goes
+# to the writable share, then the VM powers off.
 set -u
 mount -t proc proc /proc 2>/dev/null
 mount -t sysfs sys /sys 2>/dev/null
@@ -29,10 +29,12 @@ echo "kernel $(uname -r), controllers: $(cat $cg/cgroup.controllers)" > $log
 echo "+memory +pids" > $cg/cgroup.subtree_control
 mkdir $cg/test.slice
 echo "+memory +pids" > $cg/test.slice/cgroup.subtree_control
-run() {  # $1: the test's own cgroup; the rest: the command
+run() {  # $1: the tests' own cgroup; the rest: what runs them (setpriv, env)
     leaf=$1; shift
     mkdir -p "$leaf"
-    (echo 0 > "$leaf/cgroup.procs"; cd "$repo" && exec "$@") >> $log 2>&1
+    (echo 0 > "$leaf/cgroup.procs"; cd "$repo" && exec "$@" "$repo/.venv/bin/python" -m pytest \
+        -q -p no:cacheprovider tests/test_sandbox.py -k "hostile_snippet or cgroup or uid_0") \
+        >> $log 2>&1
     echo "rc=$?" >> $log
 }
 # what a cgroup changes: the hostile snippets that read it or that it bounds, the killed trainer's
@@ -43,9 +45,7 @@ env="$env SANDBOX_TEST_CGROUP=1 SANDBOX_TEST_CASES=$cases SANDBOX_TEST_SLOW=10"
 if [ "$who" = root ]; then
     # root: the parent of its own cgroup gives memory and pids to children
     echo "== as root, in test.slice/root" >> $log
-    run $cg/test.slice/root env $env HOME=/tmp \
-        "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider \
-        tests/test_sandbox.py -k "hostile_snippet or cgroup or uid_0"
+    run $cg/test.slice/root env $env HOME=/tmp
 else
     # an ordinary user (uid 1000) with a delegated subtree: test.slice/user is its own, with
     # memory and pids given to its children; the user's shell runs in its leaf `session`
@@ -56,8 +56,7 @@ else
         $d/session $d/session/cgroup.procs /tmp/home
     echo "== as uid 1000, in a delegated test.slice/user" >> $log
     run $d/session setpriv --reuid 1000 --regid 1000 --clear-groups --inh-caps=-all \
-        env $env HOME=/tmp/home "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider \
-        tests/test_sandbox.py -k "hostile_snippet or cgroup or uid_0"
+        env $env HOME=/tmp/home
 fi
 sync
 echo o > /proc/sysrq-trigger
